@@ -239,6 +239,11 @@ class ComfyServer:
             self._log_file = None
         return rc
 
+    def restart(self, timeout: float = 180.0) -> ComfyServer:
+        """Stop and start again (same base dir, env and port): a new process, persistent dirs kept."""
+        self.stop()
+        return self.start(timeout)
+
     def __enter__(self) -> ComfyServer:
         return self if self.proc else self.start()
 

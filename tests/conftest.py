@@ -1,0 +1,94 @@
+"""Shared fixtures: one real ComfyUI host, one tiny checkpoint, one server, one compile cache.
+
+CI has 90 minutes on 2 cores with cold caches and a cold Inductor compile costs 50-100 s there, so
+the integration tests share a single session-scoped server (and so a single compile) wherever they
+can. The server runs with an isolated ``--base-directory`` (its own output/user/custom_nodes) and
+``NEXFORT_CACHE_DIR`` in a temp dir, so tests never read or pollute the developer's host or cache.
+
+Environment:
+  NEXFORT_HOST              ComfyUI tree (default: <repo>/.host/ComfyUI, made by `make host`)
+  NEXFORT_TEST_KEEP_CACHE   a directory to use as the compile cache instead of a fresh temp dir
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import comfy_server  # noqa: E402
+import tiny_checkpoint  # noqa: E402
+
+
+def _host_dir() -> Path:
+    return Path(os.environ.get("NEXFORT_HOST") or REPO / ".host" / "ComfyUI").resolve()
+
+
+@pytest.fixture(scope="session")
+def comfy_host() -> Path:
+    """The ComfyUI tree; tests that need it are skipped (with the fix) where it is missing."""
+    host = _host_dir()
+    if not (host / "main.py").is_file():
+        pytest.skip(f"no ComfyUI host at {host}: run `make host` (scripts/setup_host.sh)")
+    return host
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(comfy_host) -> Path:
+    """The embedded default model, built once (in a subprocess, so ComfyUI stays out of pytest)."""
+    path = tiny_checkpoint.default_path(comfy_host)
+    if not tiny_checkpoint.is_valid(path):
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / "tiny_checkpoint.py"), "--host",
+                               str(comfy_host)], capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"building the tiny checkpoint failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert tiny_checkpoint.is_valid(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def comfy_base(tmp_path_factory, tiny_ckpt) -> Path:
+    """An isolated ComfyUI base directory with the pack and the tiny checkpoint linked in."""
+    return comfy_server.make_base_dir(tmp_path_factory.mktemp("comfy_base"), [tiny_ckpt])
+
+
+@pytest.fixture(scope="session")
+def nexfort_cache_dir(tmp_path_factory) -> Path:
+    keep = os.environ.get("NEXFORT_TEST_KEEP_CACHE")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        return Path(keep)
+    return tmp_path_factory.mktemp("nexfort_cache")
+
+
+@pytest.fixture(scope="session")
+def comfy_server_instance(comfy_host, comfy_base, nexfort_cache_dir):
+    """One real ComfyUI server for the whole session (restartable: see test_host_integration)."""
+    srv = comfy_server.ComfyServer(comfy_host, base_dir=comfy_base,
+                                   log_path=comfy_base / "comfyui.log",
+                                   env={"NEXFORT_CACHE_DIR": str(nexfort_cache_dir)})
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def comfy(comfy_server_instance):
+    """The shared server, started again if an earlier test stopped it; log tail on failure."""
+    if not comfy_server_instance.running:
+        comfy_server_instance.start()
+    return comfy_server_instance
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    srv = item.funcargs.get("comfy") if hasattr(item, "funcargs") else None
+    if report.when == "call" and report.failed and srv is not None:
+        report.sections.append(("ComfyUI log tail", srv.log_tail(80)))

@@ -1,0 +1,114 @@
+"""A real ComfyUI with the pack in custom_nodes: node registration, every shipped API workflow, and a
+restart that reuses the persisted compile cache (proved by the engine's counters, not by timing).
+
+All tests share one server (conftest.py): the first compiled workflow pays the cold Inductor compile
+(50-100 s on 2 CPU cores); everything after it reuses that work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import comfy_server
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+WORKFLOWS = sorted((REPO / "workflows" / "api").glob("*.json"))
+COMPILED_WORKFLOW = REPO / "workflows" / "api" / "txt2img_compiled.json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_seeds = itertools.count(1000)
+
+# node id -> (inputs that must be listed, output types)
+NODES = {
+    "NexfortCompileModel": ({"model", "mode", "memory_format", "dynamic", "fuse_qkv", "options"}, ["MODEL"]),
+    "NexfortCompileVAE": ({"vae", "mode", "memory_format", "dynamic", "options"}, ["VAE"]),
+    "NexfortCacheManager": ({"action", "key", "bundle_path"}, ["STRING"]),
+}
+
+
+def _inputs(info: dict, node: str) -> dict:
+    spec = info[node]["input"]
+    return {**spec.get("required", {}), **spec.get("optional", {})}
+
+
+def _combo(spec: list) -> tuple[list, object]:
+    """(options, default) of a combo input in either the V1 or the V3 /object_info encoding."""
+    extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    options = spec[0] if isinstance(spec[0], list) else extra.get("options", [])
+    return options, extra.get("default")
+
+
+def _engine(srv) -> dict:
+    stats = srv.stats()
+    assert stats is not None, "GET /nexfort/stats is missing: nodes/routes.py must be registered"
+    return stats["engine"]
+
+
+def _run(srv, workflow: Path) -> comfy_server.PromptResult:
+    graph = comfy_server.set_seed(comfy_server.load_workflow(workflow), next(_seeds))
+    result = srv.run(graph, timeout=900)
+    assert result.status.get("status_str") == "success", result.status
+    assert result.images, f"{workflow.name} produced no saved image: {json.dumps(result.outputs)[:2000]}"
+    for img in result.images:
+        assert img.is_file(), f"{img} is listed in /history but not on disk"
+        assert img.read_bytes()[:8] == PNG_MAGIC, f"{img} is not a PNG"
+    return result
+
+
+def _uses_nexfort(workflow: Path) -> bool:
+    return any(n["class_type"].startswith("Nexfort") for n in comfy_server.load_workflow(workflow).values())
+
+
+def test_object_info_lists_our_nodes(comfy):
+    info = comfy.object_info()
+    missing = [n for n in NODES if n not in info]
+    assert not missing, f"nodes not registered: {missing}" + comfy.log_tail_text()
+    for node, (want_inputs, outputs) in NODES.items():
+        have = _inputs(info, node)
+        assert want_inputs <= set(have), f"{node} lacks inputs {sorted(want_inputs - set(have))}"
+        assert list(info[node]["output"]) == outputs, f"{node} outputs {info[node]['output']}"
+        assert info[node]["category"].startswith("nexfort"), info[node]["category"]
+    modes, default = _combo(_inputs(info, "NexfortCompileModel")["mode"])
+    assert {"O1", "O2", "O3"} <= set(modes) and default == "O2", (modes, default)
+    formats, _ = _combo(_inputs(info, "NexfortCompileModel")["memory_format"])
+    assert {"contiguous", "channels_last"} <= set(formats), formats
+    actions, _ = _combo(_inputs(info, "NexfortCacheManager")["action"])
+    assert {"refresh", "clear_all", "clear_model", "export_bundle", "import_bundle"} <= set(actions), actions
+
+
+def test_stats_route_answers(comfy):
+    engine = _engine(comfy)
+    for key in ("compiles", "recompiles", "recompile_reasons", "cache_hits", "cache_misses", "fallbacks",
+                "fallback_reasons", "compile_seconds", "models"):
+        assert key in engine, f"engine stats lack {key!r}: {sorted(engine)}"
+
+
+@pytest.mark.parametrize("workflow", WORKFLOWS, ids=[w.stem for w in WORKFLOWS])
+def test_api_workflow_produces_image(comfy, workflow):
+    before = _engine(comfy) if _uses_nexfort(workflow) else None
+    _run(comfy, workflow)
+    if before is not None:
+        after = _engine(comfy)
+        assert after["fallbacks"] == before["fallbacks"], f"compiled path fell back: {after['fallback_reasons']}"
+        assert after["compiles"] > 0, f"nothing was compiled: {after}"
+
+
+def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
+    if _engine(comfy)["compiles"] == 0:  # run alone (-k): populate the cache first
+        _run(comfy, COMPILED_WORKFLOW)
+    assert any(nexfort_cache_dir.iterdir()), f"nothing was persisted under {nexfort_cache_dir}"
+
+    comfy.restart()
+    fresh = _engine(comfy)
+    assert fresh["compiles"] == 0, "a new server process should start with zero counters"
+
+    _run(comfy, COMPILED_WORKFLOW)
+    warm = _engine(comfy)
+    assert warm["fallbacks"] == 0, warm["fallback_reasons"]
+    assert warm["compiles"] >= 1, warm
+    assert warm["cache_hits"] > 0, f"restart did not hit the persisted cache: {warm}"
+    assert warm["cache_misses"] == 0, f"restart compiled cold again ({warm['cache_misses']} misses): {warm}"
