@@ -22,8 +22,8 @@ const LOOK = {
   compiling: ["compiling…", "#9a6b00"],
   compiled: ["compiled", "#2e7d32"],
   fallback: ["fell back", "#b3261e"],
-  pending: ["pending", "#4a4a4a"],
-  idle: ["not run yet", "#4a4a4a"],
+  pending: ["pending", "#546e7a"],
+  idle: ["not run yet", "#546e7a"],
   cache: ["cache", "#1f5fa8"],
 };
 // When one node produced several models, show the most urgent state.
