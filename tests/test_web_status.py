@@ -1,11 +1,14 @@
 """The status badge of ``web/nexfort.js`` in a real ComfyUI front end, driven by headless Chromium.
 
-A real ComfyUI server (``scripts/comfy_server.py``, isolated base directory) serves the installed
-front end and this pack; Debian's chromium (``scripts/setup_browser.sh``; Playwright drives it
-through ``executable_path`` and never downloads a browser) opens the UI, a workflow with our nodes
-is loaded through ``app.loadGraphData``, and the badges are checked three ways: the text the
-extension computed, the pixels on the canvas (badge colour inside the node's region, saved
-screenshots under pytest's tmp dir), and the state reported by ``GET /nexfort/stats``.
+The session's shared ComfyUI server (``tests/conftest.py``: isolated base directory, tiny checkpoint)
+serves the installed front end and this pack. If nothing has compiled yet in this session, the test
+runs ``workflows/api/txt2img_compiled.json`` once, so ``GET /nexfort/stats`` holds a real model
+record for its Compile Model node ("2"). Debian's chromium (``scripts/setup_browser.sh``; Playwright
+drives it through ``executable_path`` and never downloads a browser) opens the UI, a workflow with
+our nodes (same node id) is loaded through ``app.loadGraphData``, and each badge is checked three
+ways: the text the extension computed, its colour painted on the canvas inside the node's region
+(screenshots saved under pytest's tmp dir), and the state the server reports. Further states
+(compiling, fell back, route missing) are served to the page through request routing.
 
 Skips only when chromium cannot be installed on this machine.
 """
@@ -15,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.timeout(
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = Path(os.environ.get("NEXFORT_HOST", REPO / ".host" / "ComfyUI"))
-PACK = Path(os.environ.get("NEXFORT_PACK_DIR", REPO))  # the pack under test (default: this checkout)
+COMPILED_WORKFLOW = REPO / "workflows" / "api" / "txt2img_compiled.json"
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -47,18 +49,18 @@ COLORS = {
     "cache": (0x1F, 0x5F, 0xA8),
 }
 
-COMPILE_ID, CACHE_ID = 1, 2
+COMPILE_ID, CACHE_ID = 2, 9  # COMPILE_ID: the Compile Model node of COMPILED_WORKFLOW
 
 
 def _workflow() -> dict:
     """UI-format graph with a Compile Model and a Cache Manager node, view at scale 1."""
 
     def node(nid: int, type_: str, pos: list[int]) -> dict:
-        return {"id": nid, "type": type_, "pos": pos, "size": [340, 130], "flags": {}, "order": nid - 1,
+        return {"id": nid, "type": type_, "pos": pos, "size": [340, 130], "flags": {}, "order": 0,
                 "mode": 0, "inputs": [], "outputs": [], "properties": {}}
 
     return {
-        "last_node_id": 2, "last_link_id": 0,
+        "last_node_id": CACHE_ID, "last_link_id": 0,
         "nodes": [node(COMPILE_ID, "NexfortCompileModel", [120, 260]),
                   node(CACHE_ID, "NexfortCacheManager", [620, 260])],
         "links": [], "groups": [], "config": {},
@@ -71,7 +73,7 @@ def _fake_stats(state: str, hits: int = 3, fallbacks: int = 0) -> dict:
              "fallbacks": fallbacks, "fallback_reasons": ["boom"] * fallbacks, "compile_seconds": 1.5,
              "state": state, "node_ids": [str(COMPILE_ID)]}
     engine = {k: v for k, v in model.items() if k not in ("state", "node_ids")}
-    engine["models"] = {"diffusion_model": model}
+    engine["models"] = {} if state == "idle" else {"diffusion_model": model}
     cache = [{"key": "abc", "label": "diffusion_model", "size_bytes": 10, "hits": 4, "last_used": 0.0},
              {"key": "def", "label": "vae", "size_bytes": 10, "hits": 1, "last_used": 0.0}]
     return {"engine": engine, "cache": cache, "errors": []}
@@ -93,23 +95,32 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from comfy_server import ComfyServer, make_base_dir
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    base = make_base_dir(tmp_path_factory.mktemp("comfy-base"), pack=PACK)
-    settings = base / "user" / "default" / "comfy.settings.json"
-    settings.parent.mkdir(parents=True, exist_ok=True)
-    # No first-run tutorial/template dialog over the canvas.
-    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
-    srv = ComfyServer(HOST, base_dir=base, env={"NEXFORT_CACHE_DIR": str(base / "nexfort-cache")})
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(comfy_server_instance, comfy_base):
+    """The session's shared server (tests/conftest.py), running, with no first-run dialogs."""
+    settings = comfy_base / "user" / "default" / "comfy.settings.json"
+    if not settings.exists():  # no tutorial/template dialog over the canvas on first load
+        settings.parent.mkdir(parents=True, exist_ok=True)
+        settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    if not comfy_server_instance.running:
+        comfy_server_instance.start()
+    return comfy_server_instance
+
+
+@pytest.fixture(scope="module")
+def compiled_stats(server) -> dict:
+    """Real stats holding a record for node COMPILE_ID (runs the compiled workflow once if needed)."""
+    import comfy_server
+
+    def record(stats):
+        return [m for m in (stats or {}).get("engine", {}).get("models", {}).values()
+                if str(COMPILE_ID) in map(str, m.get("node_ids", []))]
+
+    stats = server.stats()
+    if not record(stats):
+        server.run(comfy_server.load_workflow(COMPILED_WORKFLOW), timeout=900)
+        stats = server.stats()
+    assert record(stats), f"no model record for node {COMPILE_ID} after running {COMPILED_WORKFLOW.name}: {stats}"
+    return stats
 
 
 @pytest.fixture(scope="module")
@@ -208,24 +219,37 @@ def test_server_serves_route_and_extension(server):
     assert server.get_json("/api/nexfort/stats").keys() == stats.keys()
 
 
-def test_extension_loaded_and_badge_shows_real_state(page, server, tmp_path):
+def _expected(stats: dict, node_id: int) -> tuple[str, tuple[str, ...]]:
+    """What web/nexfort.js should show for a Compile node: (state, substrings of the text)."""
+    models = [m for m in stats["engine"]["models"].values() if str(node_id) in map(str, m.get("node_ids", []))]
+    if not models:
+        return "idle", ("not run yet",)
+    states = [m.get("state") for m in models]
+    state = next((s for s in ("compiling", "fallback", "pending", "compiled") if s in states), "pending")
+    return state, (f"{sum(m.get('cache_hits', 0) for m in models)} cache hit",)
+
+
+def test_badge_shows_real_state_of_compiled_workflow(page, server, compiled_stats, tmp_path):
     names = page.evaluate("() => window.comfyAPI.app.app.extensions.map((e) => e.name)")
     assert "nexfort.status" in names
+    assert _status(page, COMPILE_ID)["type"] == "NexfortCompileModel"
+
     real = server.stats()
-    info = _status(page, COMPILE_ID)
-    assert info["type"] == "NexfortCompileModel"
-    models = [m for m in real["engine"]["models"].values() if str(COMPILE_ID) in m.get("node_ids", [])]
-    expected = "idle" if not models else None  # a fresh server has compiled nothing for this node
-    if expected:
-        _assert_badge(page, tmp_path, "real-compile", COMPILE_ID, "idle", "not run yet")
+    state, texts = _expected(real, COMPILE_ID)
+    assert state == "compiled", f"the compiled workflow's model is {state!r}: {real['engine']}"
+    _assert_badge(page, tmp_path, "real-compile", COMPILE_ID, state, "compiled", *texts)
+
     hits = sum(e.get("hits", 0) for e in real["cache"])
-    _assert_badge(page, tmp_path, "real-cache", CACHE_ID, "cache", f"{len(real['cache'])} ", f"{hits} hit")
+    n = len(real["cache"])
+    _assert_badge(page, tmp_path, "real-cache", CACHE_ID, "cache",
+                  "1 entry" if n == 1 else f"{n} entries", f"{hits} hit")
     assert not page.nexfort_errors
 
 
 @pytest.mark.parametrize(
     ("state", "fallbacks", "texts"),
-    [("compiling", 0, ("compiling",)),
+    [("idle", 0, ("not run yet",)),
+     ("compiling", 0, ("compiling",)),
      ("compiled", 0, ("compiled", "3 cache hits")),
      ("fallback", 2, ("fell back", "2 fallbacks"))],
 )
