@@ -1,0 +1,106 @@
+"""``nodes/routes.py`` without a ComfyUI server: registration is idempotent and ``GET /nexfort/stats``
+always answers the same JSON shape, from the engine's real counters or from empty values.
+
+The pack is loaded as a throw-away package (``_nexfort_pack``) so the route's relative imports
+resolve to this checkout's ``nexfort_engine`` exactly as they do inside ComfyUI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestServer
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = "_nexfort_pack"
+ENGINE_KEYS = {"compiles", "recompiles", "recompile_reasons", "cache_hits", "cache_misses", "fallbacks",
+               "fallback_reasons", "compile_seconds", "models"}
+
+
+@pytest.fixture
+def routes():
+    pack = types.ModuleType(PKG)
+    pack.__path__ = [str(REPO)]
+    sub = types.ModuleType(f"{PKG}.nodes")  # not executing nodes/__init__.py (that needs ComfyUI)
+    sub.__path__ = [str(REPO / "nodes")]
+    sys.modules[PKG], sys.modules[f"{PKG}.nodes"] = pack, sub
+    try:
+        yield importlib.import_module(f"{PKG}.nodes.routes")
+    finally:
+        for name in [m for m in sys.modules if m == PKG or m.startswith(PKG + ".")]:
+            del sys.modules[name]
+
+
+def _get(route_table: web.RouteTableDef, path: str) -> tuple[int, dict]:
+    async def go():
+        app = web.Application()
+        app.add_routes(route_table)
+        async with TestServer(app) as srv, ClientSession() as s, s.get(srv.make_url(path)) as r:
+            return r.status, await r.json()
+
+    return asyncio.run(go())
+
+
+def test_register_routes_is_idempotent(routes):
+    table = web.RouteTableDef()
+    assert routes.register_routes(table) is True
+    assert routes.register_routes(table) is False
+    assert [(r.method, r.path) for r in table] == [("GET", "/nexfort/stats")]
+
+
+def test_register_routes_without_comfyui_is_a_no_op(routes, monkeypatch):
+    monkeypatch.setitem(sys.modules, "server", None)  # `from server import PromptServer` -> ImportError
+    assert routes.register_routes() is False
+
+
+def test_stats_route_serves_engine_counters(routes, monkeypatch):
+    stats = importlib.import_module(f"{PKG}.nexfort_engine.stats")
+    stats.reset()
+    stats.set_info("unet", node_id="7", state="compiled")
+    stats.bump("unet", "compiles")
+    stats.bump("unet", "cache_hits", 2)
+    listing = [{"key": "k1", "label": "unet", "size_bytes": 123, "hits": 2, "last_used": 1.0}]
+    monkeypatch.setattr(routes, "cache_listing", lambda: listing)
+    table = web.RouteTableDef()
+    routes.register_routes(table)
+    try:
+        status, body = _get(table, "/nexfort/stats")
+    finally:
+        stats.reset()
+    assert status == 200
+    assert body["errors"] == []
+    assert ENGINE_KEYS <= set(body["engine"])
+    assert body["engine"]["compiles"] == 1 and body["engine"]["cache_hits"] == 2
+    unet = body["engine"]["models"]["unet"]
+    assert unet["state"] == "compiled" and unet["node_ids"] == ["7"] and unet["cache_hits"] == 2
+    assert body["cache"] == listing
+
+
+def test_stats_route_answers_when_engine_and_cache_fail(routes, monkeypatch):
+    def boom():
+        raise ImportError("no engine here")
+
+    monkeypatch.setattr(routes, "engine_stats", boom)
+    monkeypatch.setattr(routes, "cache_listing", lambda: (_ for _ in ()).throw(OSError("index unreadable")))
+    table = web.RouteTableDef()
+    routes.register_routes(table)
+    status, body = _get(table, "/nexfort/stats")
+    assert status == 200
+    assert body["engine"] == routes.empty_engine_stats()
+    assert set(body["engine"]) == ENGINE_KEYS
+    assert body["cache"] == []
+    assert len(body["errors"]) == 2 and "no engine here" in body["errors"][0]
+    assert "index unreadable" in body["errors"][1]
+
+
+def test_empty_engine_stats_are_fresh_objects(routes):
+    a = routes.empty_engine_stats()
+    a["models"]["x"] = {}
+    a["recompile_reasons"].append("y")
+    assert routes.empty_engine_stats()["models"] == {} and routes.empty_engine_stats()["recompile_reasons"] == []
