@@ -1,0 +1,277 @@
+"""CompileConfig -> scoped Dynamo/Inductor settings -> a compiled module that never loses a run.
+
+:class:`CompiledModule` wraps a ``torch.nn.Module``. Nothing compiles until the first call; then
+
+1. the cache entry for (module structure, dtypes, device, versions, options) is located, locked,
+   and verified against its manifest (:mod:`nexfort_engine.cache`);
+2. Dynamo traces the module under our dynamic-shape policy (:mod:`nexfort_engine.shapes`) and hands
+   each graph to our backend, which counts it and compiles it with Inductor using this config's
+   patches only (``compile_fx(config_patches=...)``);
+3. new artifacts are hashed into the entry's manifest.
+
+Any exception while compiling or running compiled code is caught here once: counted, logged with
+its reason, and that call — and every later one of this module — runs eager. Weights stay live
+parameters (unless ``freezing``), so in-place weight patches such as LoRA are seen without a
+recompile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import shapes, stats
+from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
+from .cache.store import ENV_CACHE_DIR
+from .options import CompileConfig, parse_options
+from .settings import Settings, resolve, runtime_overrides
+
+log = logging.getLogger(__name__)
+
+#: Exceptions that must propagate (user interrupts), matched by class name so the engine needs
+#: no ComfyUI import.
+PASSTHROUGH = ("InterruptProcessingException", "KeyboardInterrupt")
+
+_compile_lock = threading.RLock()
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _fx_counters() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return int(c["fxgraph_cache_hit"]), int(c["fxgraph_cache_miss"])
+
+
+def _last_recompile_reason() -> str:
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        metrics = list(get_compilation_metrics())
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return "unknown"
+    for m in reversed(metrics):
+        reason = getattr(m, "recompile_reason", None)
+        if reason:
+            return str(reason)
+    return "unknown"
+
+
+class CompiledModule(torch.nn.Module):
+    """A module compiled lazily by nexfort, falling back to eager on any compile/run failure."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: CompileConfig,
+        store: CacheStore | None,
+        label: str | None = None,
+    ) -> None:
+        super().__init__()
+        self._orig_mod = module
+        self._nx_config = config
+        self._nx_store = store
+        self._nx_name = label or type(module).__name__
+        self._nx_label = self._nx_name
+        self._nx_settings: Settings | None = None
+        self._nx_entry: CacheEntry | None = None
+        self._nx_env: dict[str, str] | None = None
+        self._nx_graphs = 0
+        self._nx_failed: str | None = None
+        self._nx_compiled: Callable[..., Any] | None = None
+        self._nx_memory_format = (
+            torch.channels_last if config.memory_format == "channels_last" else None
+        )
+        stats.set_info(self._nx_label, state="pending", config=config.describe())
+
+    # -- attribute access falls through to the wrapped module (dtype, config attributes, ...)
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_orig_mod"], name)
+
+    @property
+    def label(self) -> str:
+        return self._nx_label
+
+    @property
+    def failed(self) -> str | None:
+        """Why this module fell back to eager, or ``None``."""
+        return self._nx_failed
+
+    @property
+    def cache_entry(self) -> CacheEntry | None:
+        return self._nx_entry
+
+    # -- compile machinery
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self._nx_graphs += 1
+        backend = self._nx_config.backend
+        if backend == "eager":
+            return gm.forward
+        if backend == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        assert self._nx_settings is not None
+        patches = dict(self._nx_settings.inductor)
+        if self._nx_config.fuse_qkv_projections:
+            from .passes.fuse_qkv import FuseQKVPass
+
+            patches["post_grad_custom_pre_pass"] = FuseQKVPass()
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def _setup(self, example: torch.Tensor | None) -> None:
+        device = str(example.device) if example is not None else "cpu"
+        self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"))
+        if self._nx_store is not None:
+            self._nx_env = environment_fingerprint(device)
+            key = entry_key(structure_digest(self._orig_mod), self._nx_config.digest(), self._nx_env)
+            self._nx_entry = self._nx_store.entry(key)
+            old_label = self._nx_label
+            self._nx_label = f"{self._nx_name}:{key[:8]}"
+            stats.rename(old_label, self._nx_label)
+            stats.set_info(self._nx_label, cache_key=key)
+        self._nx_compiled = torch.compile(
+            self._orig_mod,
+            backend=self._backend,
+            dynamic=True if self._nx_config.dynamic else None,
+            fullgraph=self._nx_config.fullgraph,
+        )
+
+    @contextlib.contextmanager
+    def _scope(self) -> Iterator[None]:
+        assert self._nx_settings is not None
+        with contextlib.ExitStack() as stack:
+            if self._nx_entry is not None:
+                stack.enter_context(self._nx_entry.activate())
+            stack.enter_context(shapes.shape_policy(self._nx_config.dynamic))
+            stack.enter_context(runtime_overrides(self._nx_settings.runtime))
+            yield
+
+    def _first_call(self, args: tuple, kwargs: dict) -> Any:
+        """Verify the cache entry and compile, holding the entry's inter-process lock."""
+        entry = self._nx_entry
+        lock = entry.lock() if entry is not None else contextlib.nullcontext()
+        with lock:
+            if entry is not None:
+                state = entry.verify(self._nx_env)
+                if state == "corrupt":
+                    stats.bump(self._nx_label, "corrupt_entries")
+                log.info("nexfort: cache entry %s: %s", entry.key, state)
+            return self._call_compiled(args, kwargs, first=True)
+
+    def _call_compiled(self, args: tuple, kwargs: dict, first: bool = False) -> Any:
+        assert self._nx_compiled is not None
+        graphs0 = self._nx_graphs
+        hit0, miss0 = _fx_counters()
+        t0 = time.perf_counter()
+        with self._scope():
+            if graphs0 == 0:
+                stats.set_info(self._nx_label, state="compiling")
+            out = self._nx_compiled(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        new = self._nx_graphs - graphs0
+        if new:
+            hit1, miss1 = _fx_counters()
+            self._after_compile(new, dt, hit1 - hit0, miss1 - miss0)
+        else:
+            stats.add_seconds(self._nx_label, "compiled_call", dt)
+        return out
+
+    def _after_compile(self, new: int, seconds: float, hits: int, misses: int) -> None:
+        label = self._nx_label
+        first = self._nx_graphs == new
+        stats.bump(label, "compiles", new)
+        recompiles = new - 1 if first else new
+        if recompiles:
+            stats.bump(label, "recompiles", recompiles)
+            stats.add_reason(label, "recompile", _last_recompile_reason())
+        stats.bump(label, "cache_hits", hits)
+        stats.bump(label, "cache_misses", misses)
+        stats.add_seconds(label, "compile", seconds)
+        stats.set_info(label, state="compiled")
+        log.info(
+            "nexfort: %s compiled %d graph(s) in %.1fs (cache hits %d, misses %d)", label, new, seconds, hits, misses
+        )
+        entry = self._nx_entry
+        if entry is not None and self._nx_store is not None:
+            with entry.lock():
+                meta = entry.read_meta()
+                size = entry.commit(
+                    self._nx_env or {},
+                    {
+                        "label": self._nx_name,
+                        "options": self._nx_config.describe(),
+                        "hits": int(meta.get("hits", 0)) + (1 if hits and not misses else 0),
+                    },
+                )
+            log.info("nexfort: cache entry %s committed (%d bytes) in %s", entry.key, size, entry.path)
+            self._nx_store.evict(keep=entry.key)
+
+    def _fall_back(self, err: BaseException) -> None:
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
+        self._nx_failed = reason
+        stats.bump(self._nx_label, "fallbacks")
+        stats.add_reason(self._nx_label, "fallback", reason)
+        stats.set_info(self._nx_label, state="fallback")
+        log.warning("nexfort: compiling %s failed, running eager instead: %s", self._nx_label, reason, exc_info=err)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._nx_failed is not None:
+            return self._orig_mod(*args, **kwargs)
+        if self._nx_memory_format is not None:
+            args, kwargs = shapes.to_memory_format(args, kwargs, self._nx_memory_format)
+        stats.bump(self._nx_label, "calls")
+        try:
+            if self._nx_compiled is None:
+                with _compile_lock:
+                    if self._nx_compiled is None:
+                        self._setup(_first_tensor(args, kwargs))
+                        return self._first_call(args, kwargs)
+            return self._call_compiled(args, kwargs)
+        except BaseException as err:
+            if type(err).__name__ in PASSTHROUGH or not isinstance(err, Exception):
+                raise
+            self._fall_back(err)
+            return self._orig_mod(*args, **kwargs)
+
+
+def default_cache_dir() -> str | None:
+    return os.environ.get(ENV_CACHE_DIR) or None
+
+
+def compile(  # noqa: A001 - the seeds' name
+    module: torch.nn.Module,
+    options: CompileConfig | dict[str, Any] | str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    label: str | None = None,
+) -> CompiledModule:
+    """Compile ``module`` with nexfort (lazily, at its first call).
+
+    ``options``: the seeds' dict / JSON string (see :func:`nexfort_engine.options.parse_options`).
+    ``cache_dir``: where compiled artifacts persist; defaults to ``$NEXFORT_CACHE_DIR``; ``None``
+    and no env var means Inductor's own default cache.
+    """
+    if isinstance(module, CompiledModule):
+        module = module._orig_mod
+    config = parse_options(options)
+    cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+    store = CacheStore(cache_dir) if cache_dir else None
+    return CompiledModule(module, config, store, label=label)

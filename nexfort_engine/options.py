@@ -1,0 +1,228 @@
+"""Compile options: mode strings, presets and JSON -> one frozen :class:`CompileConfig`.
+
+This module only parses and validates; it does not touch torch's configuration. What each flag
+means in Dynamo/Inductor/cuDNN terms lives in :mod:`nexfort_engine.settings`.
+
+Accepted input (the OneDiff nexfort seeds' shape)::
+
+    {"mode": "max-optimize:max-autotune:low-precision", "memory_format": "channels_last",
+     "dynamic": true, "fullgraph": false, "fuse_qkv_projections": true,
+     "options": {"inductor.optimize_linear_epilogue": false, "overrides.matmul_allow_tf32": true}}
+
+as a dict or a JSON string. Every unknown flag, key or bad value raises :class:`OptionsError`
+(a ``ValueError``) whose message names the valid choices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "BACKENDS",
+    "FLAGS",
+    "MEMORY_FORMATS",
+    "PRESETS",
+    "CompileConfig",
+    "OptionsError",
+    "parse_options",
+]
+
+
+class OptionsError(ValueError):
+    """Invalid compile options; the message names the valid values."""
+
+
+#: Every mode flag, with the one-line meaning shown in errors and docs.
+FLAGS: dict[str, str] = {
+    "max-autotune": "autotune GEMM/conv/pointwise kernels (slow first compile, cached afterwards)",
+    "max-optimize": "most aggressive fusion: epilogue/aggressive/permute fusion, shape padding",
+    "cudagraphs": "CUDA graphs (per-shape graph trees) to remove CPU launch overhead",
+    "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",
+    "low-precision": "reduced-precision math: fp16/bf16 reduced-precision matmul/SDPA, TF32",
+    "cache-all": "persist every compile artifact (FX graph, AOTAutograd, autotune, portable cache)",
+    "benchmark": "cuDNN benchmark mode for convolutions",
+    "jit": "fast compile: no autotuning, cheaper Inductor settings",
+    "disable-runtime-fusion": "turn off Inductor's pattern-matcher and epilogue fusions (fastest compile)",
+}
+
+#: Presets (the seeds' suggested combinations), expanded into flags.
+PRESETS: dict[str, tuple[str, ...]] = {
+    # fast compile: default Inductor, no autotuning, everything cached
+    "O1": ("jit", "cache-all"),
+    # recommended: accurate (no reduced precision), dynamic resolution, LoRA-safe (no freezing)
+    "O2": ("max-optimize", "benchmark", "cache-all"),
+    # fastest: + autotuning, CUDA graphs and reduced-precision math
+    "O3": ("max-optimize", "max-autotune", "benchmark", "cudagraphs", "low-precision", "cache-all"),
+}
+
+MEMORY_FORMATS = ("contiguous", "channels_last")
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+#: Top-level keys accepted in the options dict.
+TOP_LEVEL_KEYS = (
+    "mode",
+    "memory_format",
+    "dynamic",
+    "fullgraph",
+    "fuse_qkv_projections",
+    "options",
+    "backend",
+)
+
+#: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
+SEED_OPTION_KEYS = (
+    "inductor.optimize_linear_epilogue",
+    "triton.fuse_attention_allow_fp16_reduction",
+    "overrides.conv_benchmark",
+    "overrides.matmul_allow_tf32",
+)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Everything that decides how a module is compiled. Hashable and canonical."""
+
+    flags: tuple[str, ...] = PRESETS["O2"]
+    memory_format: str = "contiguous"
+    dynamic: bool = True
+    fullgraph: bool = False
+    fuse_qkv_projections: bool = False
+    backend: str = "inductor"
+    #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
+    overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+    #: the mode string as the user wrote it (for display only; not part of the identity)
+    mode: str = field(default="O2", compare=False)
+
+    def has(self, flag: str) -> bool:
+        return flag in self.flags
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["overrides"] = dict(self.overrides)
+        d["flags"] = list(self.flags)
+        return d
+
+    def digest(self) -> str:
+        """Stable short hash of the identity fields (used in cache keys)."""
+        d = self.to_dict()
+        d.pop("mode", None)
+        blob = json.dumps(d, sort_keys=True, default=repr).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return ":".join(self.flags) or "default"
+
+
+def _choices(values: Any) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def parse_mode(mode: str) -> tuple[str, ...]:
+    """``"O3"`` or ``"max-autotune:cudagraphs"`` -> canonical, de-duplicated flag tuple."""
+    if not isinstance(mode, str):
+        raise OptionsError(f"mode must be a string like 'O2' or 'max-autotune:cudagraphs', got {mode!r}")
+    flags: list[str] = []
+    for part in (p.strip() for p in mode.split(":")):
+        if not part:
+            continue
+        if part in PRESETS:
+            flags.extend(PRESETS[part])
+        elif part in FLAGS:
+            flags.append(part)
+        else:
+            raise OptionsError(
+                f"unknown mode flag {part!r}; valid presets: {_choices(PRESETS)}; "
+                f"valid flags: {_choices(FLAGS)}"
+            )
+    order = list(FLAGS)
+    return tuple(sorted(set(flags), key=order.index))
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise OptionsError(f"{key!r} must be true or false, got {value!r}")
+
+
+def _validate_override(key: str, value: Any) -> None:
+    if key in SEED_OPTION_KEYS:
+        if not isinstance(value, bool):
+            raise OptionsError(f"option {key!r} must be true or false, got {value!r}")
+        return
+    prefix, _, rest = key.partition(".")
+    if prefix not in ("inductor", "triton") or not rest:
+        raise OptionsError(
+            f"unknown option key {key!r}; valid keys: {_choices(SEED_OPTION_KEYS)}, "
+            "or any Inductor config key as 'inductor.<key>' / 'triton.<key>'"
+        )
+    from torch._inductor import config as inductor_config  # local: keep `import` cheap
+
+    known = inductor_config.get_config_copy()
+    ikey = rest if prefix == "inductor" else f"triton.{rest}"
+    if ikey not in known:
+        close = sorted(k for k in known if k.split(".")[-1].startswith(ikey.split(".")[-1][:4]))[:8]
+        hint = f"; did you mean one of {_choices(close)}" if close else ""
+        raise OptionsError(f"option {key!r}: {ikey!r} is not an Inductor config key{hint}")
+    default = known[ikey]
+    if default is not None and not callable(default) and value is not None:
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise OptionsError(f"option {key!r} must be true or false, got {value!r}")
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise OptionsError(f"option {key!r} must be a number, got {value!r}")
+        if isinstance(default, str) and not isinstance(value, str):
+            raise OptionsError(f"option {key!r} must be a string, got {value!r}")
+
+
+def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None) -> CompileConfig:
+    """Parse the seeds' options (dict or JSON string) into a validated :class:`CompileConfig`."""
+    if isinstance(options, CompileConfig):
+        return options
+    if options is None:
+        options = {}
+    if isinstance(options, str):
+        text = options.strip()
+        if not text:
+            options = {}
+        else:
+            try:
+                options = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise OptionsError(
+                    f"options is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                    'expected e.g. {"mode": "O2", "memory_format": "channels_last"}'
+                ) from e
+    if not isinstance(options, Mapping):
+        raise OptionsError(f"options must be a JSON object / dict, got {type(options).__name__}")
+
+    unknown = [k for k in options if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise OptionsError(f"unknown option key(s) {_choices(unknown)}; valid keys: {_choices(TOP_LEVEL_KEYS)}")
+
+    mode = options.get("mode", "O2")
+    flags = parse_mode(mode)
+    memory_format = options.get("memory_format", "contiguous")
+    if memory_format not in MEMORY_FORMATS:
+        raise OptionsError(f"memory_format {memory_format!r} is not valid; choose one of {_choices(MEMORY_FORMATS)}")
+    backend = options.get("backend", "inductor")
+    if backend not in BACKENDS:
+        raise OptionsError(f"backend {backend!r} is not valid; choose one of {_choices(BACKENDS)}")
+    extra = options.get("options", {}) or {}
+    if not isinstance(extra, Mapping):
+        raise OptionsError(f"'options' must be an object of setting -> value, got {type(extra).__name__}")
+    for key, value in extra.items():
+        _validate_override(str(key), value)
+
+    return CompileConfig(
+        flags=flags,
+        memory_format=memory_format,
+        dynamic=_as_bool("dynamic", options.get("dynamic", True)),
+        fullgraph=_as_bool("fullgraph", options.get("fullgraph", False)),
+        fuse_qkv_projections=_as_bool("fuse_qkv_projections", options.get("fuse_qkv_projections", False)),
+        backend=backend,
+        overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
+        mode=str(mode),
+    )

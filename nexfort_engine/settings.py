@@ -1,0 +1,194 @@
+"""What each mode flag means: one table from flags to concrete, *scoped* torch settings.
+
+Nothing here assigns a process-wide setting. :func:`resolve` turns a :class:`CompileConfig`
+into a :class:`Settings` value holding
+
+* ``inductor``: Inductor config patches, handed to ``compile_fx(config_patches=...)`` so they
+  apply to our compile only;
+* ``dynamo`` / ``fx``: Dynamo and symbolic-shape config patches, entered with
+  ``torch._dynamo.config.patch`` around each call of the compiled module (compiles happen inside
+  calls);
+* ``runtime``: backend switches read at kernel-dispatch time (TF32, reduced-precision
+  reductions, cuDNN benchmark), set on entry to each compiled call and restored on exit.
+
+GPU-only flags on a machine without CUDA are dropped with a single logged warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .options import FLAGS, CompileConfig
+
+log = logging.getLogger(__name__)
+
+#: Mode flag -> Inductor config patches (the README's table is generated from this).
+FLAG_INDUCTOR: dict[str, dict[str, Any]] = {
+    "max-autotune": {
+        "max_autotune": True,
+        "max_autotune_gemm": True,
+        "max_autotune_pointwise": True,
+        "coordinate_descent_tuning": True,
+    },
+    "max-optimize": {
+        "epilogue_fusion": True,
+        "aggressive_fusion": True,
+        "permute_fusion": True,
+        "shape_padding": True,
+        "pattern_matcher": True,
+    },
+    "cudagraphs": {
+        "triton.cudagraphs": True,
+        "triton.cudagraph_trees": True,
+        # keep CUDA graphs under dynamic shape: one recorded graph per concrete shape
+        "triton.cudagraph_skip_dynamic_graphs": False,
+        "triton.cudagraph_dynamic_shape_warn_limit": None,
+    },
+    "freezing": {"freezing": True},
+    "low-precision": {},
+    "cache-all": {
+        "fx_graph_cache": True,
+        "autotune_local_cache": True,
+        "fx_graph_remote_cache": False,
+    },
+    "benchmark": {},
+    "jit": {
+        "max_autotune": False,
+        "coordinate_descent_tuning": False,
+        "triton.autotune_pointwise": False,
+    },
+    "disable-runtime-fusion": {
+        "pattern_matcher": False,
+        "epilogue_fusion": False,
+        "aggressive_fusion": False,
+    },
+}
+
+#: Mode flag -> runtime switches (see :func:`runtime_overrides`).
+FLAG_RUNTIME: dict[str, dict[str, bool]] = {
+    "low-precision": {
+        "matmul_allow_tf32": True,
+        "cudnn_allow_tf32": True,
+        "matmul_fp16_reduction": True,
+        "matmul_bf16_reduction": True,
+        "sdp_fp16_bf16_reduction": True,
+    },
+    "benchmark": {"cudnn_benchmark": True},
+}
+
+#: Flags that only mean something with CUDA.
+GPU_ONLY = ("max-autotune", "cudagraphs", "low-precision", "benchmark")
+
+#: The seeds' option keys -> (where, key).
+SEED_KEYS: dict[str, tuple[str, str]] = {
+    "inductor.optimize_linear_epilogue": ("inductor", "epilogue_fusion"),
+    "triton.fuse_attention_allow_fp16_reduction": ("runtime", "sdp_fp16_bf16_reduction"),
+    "overrides.conv_benchmark": ("runtime", "cudnn_benchmark"),
+    "overrides.matmul_allow_tf32": ("runtime", "matmul_allow_tf32"),
+}
+
+#: Always on: dynamic shape with one graph for every resolution/batch/length (see shapes.py),
+#: no persistent remote caches.
+BASE_INDUCTOR: dict[str, Any] = {"fx_graph_cache": True, "fx_graph_remote_cache": False}
+
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Settings:
+    inductor: dict[str, Any] = field(default_factory=dict)
+    runtime: dict[str, bool] = field(default_factory=dict)
+    dropped: tuple[str, ...] = ()
+
+
+def cuda_available() -> bool:
+    # is_available() does not initialise a CUDA context
+    return torch.cuda.is_available()
+
+
+def resolve(config: CompileConfig, *, cuda: bool | None = None) -> Settings:
+    """Flags + overrides -> scoped settings for this machine."""
+    cuda = cuda_available() if cuda is None else cuda
+    inductor: dict[str, Any] = dict(BASE_INDUCTOR)
+    runtime: dict[str, bool] = {}
+    dropped = tuple(f for f in config.flags if f in GPU_ONLY and not cuda)
+    if dropped:
+        msg = f"no CUDA device: ignoring GPU-only mode flag(s) {', '.join(dropped)}"
+        if msg not in _warned:  # one warning per distinct message, not per compile
+            _warned.add(msg)
+            log.warning("nexfort: %s", msg)
+    for flag in config.flags:
+        if flag in dropped:
+            continue
+        inductor.update(FLAG_INDUCTOR[flag])
+        runtime.update(FLAG_RUNTIME.get(flag, {}))
+    for key, value in config.overrides:
+        if key in SEED_KEYS:
+            where, target = SEED_KEYS[key]
+            (inductor if where == "inductor" else runtime)[target] = value
+        elif key.startswith("inductor."):
+            inductor[key[len("inductor."):]] = value
+        else:  # triton.*
+            inductor[key] = value
+    if not cuda:
+        runtime = {}
+    return Settings(inductor=inductor, runtime=runtime, dropped=dropped)
+
+
+def _runtime_switches() -> dict[str, tuple[Any, Any]]:
+    """name -> (getter, setter) for each runtime switch."""
+    b = torch.backends
+
+    def attr(obj: Any, name: str) -> tuple[Any, Any]:
+        return (lambda: getattr(obj, name), lambda v: setattr(obj, name, v))
+
+    sw = {
+        "matmul_allow_tf32": attr(b.cuda.matmul, "allow_tf32"),
+        "cudnn_allow_tf32": attr(b.cudnn, "allow_tf32"),
+        "matmul_fp16_reduction": attr(b.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+        "matmul_bf16_reduction": attr(b.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+        "cudnn_benchmark": attr(b.cudnn, "benchmark"),
+    }
+    if hasattr(b.cuda, "allow_fp16_bf16_reduction_math_sdp"):
+        sw["sdp_fp16_bf16_reduction"] = (
+            b.cuda.fp16_bf16_reduction_math_sdp_allowed,
+            b.cuda.allow_fp16_bf16_reduction_math_sdp,
+        )
+    return sw
+
+
+@contextlib.contextmanager
+def runtime_overrides(runtime: dict[str, bool]) -> Iterator[None]:
+    """Set backend switches for the duration of one compiled call, then restore them."""
+    if not runtime:
+        yield
+        return
+    switches = _runtime_switches()
+    saved: list[tuple[Any, Any]] = []
+    try:
+        for name, value in runtime.items():
+            if name not in switches:
+                continue
+            getter, setter = switches[name]
+            saved.append((setter, getter()))
+            setter(value)
+        yield
+    finally:
+        for setter, old in reversed(saved):
+            setter(old)
+
+
+def flag_table() -> str:
+    """Markdown table of flag -> settings (kept in the README)."""
+    rows = ["| flag | meaning | Inductor patches | runtime switches |", "| - | - | - | - |"]
+    for flag, meaning in FLAGS.items():
+        ind = ", ".join(f"`{k}={v}`" for k, v in FLAG_INDUCTOR.get(flag, {}).items()) or "—"
+        rt = ", ".join(f"`{k}`" for k in FLAG_RUNTIME.get(flag, {})) or "—"
+        gpu = " (GPU only)" if flag in GPU_ONLY else ""
+        rows.append(f"| `{flag}`{gpu} | {meaning} | {ind} | {rt} |")
+    return "\n".join(rows)

@@ -1,0 +1,138 @@
+"""Counters: compiles, recompiles (with Dynamo's reasons), cache hits/misses, fallbacks.
+
+One process-wide registry. The nodes, the web route, the Cache Manager, the benchmark and the
+tests all read the same numbers through :func:`snapshot` (exported as ``nexfort_engine.stats()``).
+Counters are bumped under a lock; reading returns a deep copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_REASONS = 50
+COUNTERS = (
+    "compiles",
+    "recompiles",
+    "cache_hits",
+    "cache_misses",
+    "fallbacks",
+    "calls",
+    "corrupt_entries",
+)
+
+_lock = threading.Lock()
+
+
+@dataclass
+class _Record:
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    recompile_reasons: list[str] = field(default_factory=list)
+    fallback_reasons: list[str] = field(default_factory=list)
+    compile_seconds: float = 0.0
+    compiled_call_seconds: float = 0.0
+    state: str = "pending"
+    cache_key: str = ""
+    config: str = ""
+    node_ids: list[str] = field(default_factory=list)
+    updated: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = dict(self.counters)
+        d.update(
+            recompile_reasons=list(self.recompile_reasons),
+            fallback_reasons=list(self.fallback_reasons),
+            compile_seconds=round(self.compile_seconds, 3),
+            compiled_call_seconds=round(self.compiled_call_seconds, 4),
+            state=self.state,
+            cache_key=self.cache_key,
+            config=self.config,
+            node_ids=list(self.node_ids),
+            updated=self.updated,
+        )
+        return d
+
+
+_total = _Record(state="")
+_models: dict[str, _Record] = {}
+
+
+def _append(lst: list[str], item: str) -> None:
+    lst.append(item)
+    del lst[:-MAX_REASONS]
+
+
+def model(label: str) -> _Record:
+    with _lock:
+        return _models.setdefault(label, _Record())
+
+
+def bump(label: str, counter: str, n: int = 1) -> None:
+    with _lock:
+        rec = _models.setdefault(label, _Record())
+        rec.counters[counter] += n
+        _total.counters[counter] += n
+        rec.updated = time.time()
+
+
+def add_reason(label: str, kind: str, reason: str) -> None:
+    """kind: 'recompile' or 'fallback'."""
+    with _lock:
+        rec = _models.setdefault(label, _Record())
+        _append(getattr(rec, f"{kind}_reasons"), reason)
+        _append(getattr(_total, f"{kind}_reasons"), f"{label}: {reason}")
+
+
+def add_seconds(label: str, what: str, seconds: float) -> None:
+    """what: 'compile' or 'compiled_call'."""
+    with _lock:
+        rec = _models.setdefault(label, _Record())
+        attr = f"{what}_seconds"
+        setattr(rec, attr, getattr(rec, attr) + seconds)
+        setattr(_total, attr, getattr(_total, attr) + seconds)
+
+
+def set_info(label: str, **info: Any) -> None:
+    with _lock:
+        rec = _models.setdefault(label, _Record())
+        for k, v in info.items():
+            if k == "node_id":
+                if v is not None and str(v) not in rec.node_ids:
+                    rec.node_ids.append(str(v))
+            else:
+                setattr(rec, k, v)
+        rec.updated = time.time()
+
+
+def rename(old: str, new: str) -> None:
+    """Move a model's record to a new label (the label gains its cache key once known)."""
+    with _lock:
+        if old != new and old in _models:
+            rec = _models.pop(old)
+            if new in _models:  # same module compiled again: merge node ids, keep the old counters
+                for nid in rec.node_ids:
+                    if nid not in _models[new].node_ids:
+                        _models[new].node_ids.append(nid)
+            else:
+                _models[new] = rec
+
+
+def snapshot() -> dict[str, Any]:
+    """All counters: totals at the top level, per-model records under ``models``."""
+    with _lock:
+        d = _total.as_dict()
+        for k in ("state", "cache_key", "config", "node_ids", "updated"):
+            d.pop(k, None)
+        d["models"] = {label: rec.as_dict() for label, rec in _models.items()}
+        return copy.deepcopy(d)
+
+
+def reset() -> None:
+    """Forget every counter (tests, Cache Manager 'clear all')."""
+    global _total
+    with _lock:
+        _total = _Record(state="")
+        _models.clear()
