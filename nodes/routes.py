@@ -45,24 +45,20 @@ def empty_engine_stats() -> dict[str, Any]:
     return {k: (type(v)() if isinstance(v, (list, dict)) else v) for k, v in _ENGINE_COUNTERS.items()}
 
 
-def _engine_module():
-    # Import the engine the same way the rest of the pack does, so the counters are one object.
-    from .. import nexfort_engine
-
-    return nexfort_engine
-
-
 def engine_stats() -> dict[str, Any]:
     """``nexfort_engine.stats()`` merged over the zero shape, so every key is always present."""
+    # Absolute import, like the rest of the pack (nodes/patcher.py): one module, one set of counters.
+    import nexfort_engine
+
     stats = empty_engine_stats()
-    stats.update(_engine_module().stats())
+    stats.update(nexfort_engine.stats())
     return stats
 
 
 def cache_listing() -> list[dict[str, Any]]:
     """Entries of the persistent compile cache (``key``, ``label``, ``size_bytes``, ``hits``, ``last_used``)."""
-    from .. import nexfort_engine  # noqa: F401  (makes the subpackage import below resolve in-pack)
-    from ..nexfort_engine.cache import CacheStore
+    from nexfort_engine.cache import CacheStore
+
     from .patcher import cache_root
 
     return list(CacheStore(cache_root()).list())

@@ -1,8 +1,9 @@
 """``nodes/routes.py`` without a ComfyUI server: registration is idempotent and ``GET /nexfort/stats``
 always answers the same JSON shape, from the engine's real counters or from empty values.
 
-The pack is loaded as a throw-away package (``_nexfort_pack``) so the route's relative imports
-resolve to this checkout's ``nexfort_engine`` exactly as they do inside ComfyUI.
+``nodes/`` is loaded inside a throw-away package (``_nexfort_pack``) without running
+``nodes/__init__.py`` (that needs ComfyUI); the route reads the same ``nexfort_engine`` counters
+the rest of the pack bumps.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_register_routes_without_comfyui_is_a_no_op(routes, monkeypatch):
 
 
 def test_stats_route_serves_engine_counters(routes, monkeypatch):
-    stats = importlib.import_module(f"{PKG}.nexfort_engine.stats")
+    stats = importlib.import_module("nexfort_engine.stats")
     stats.reset()
     stats.set_info("unet", node_id="7", state="compiled")
     stats.bump("unet", "compiles")
