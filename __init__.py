@@ -5,9 +5,17 @@ outside ComfyUI (plain Python, tests) it imports cleanly and exposes nothing Com
 Importing starts no CUDA and needs no Triton.
 """
 
+import os
+import sys
+
 WEB_DIRECTORY = "./web"
-NODE_CLASS_MAPPINGS: dict = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+
+# A user clones this pack into custom_nodes/: make the embedded engine importable as the
+# top-level `nexfort_engine` (one copy, one set of counters). Appended, so ComfyUI's own
+# modules (its `nodes.py`) always win over our `nodes/` package name.
+_here = os.path.dirname(os.path.abspath(__file__))
+if _here not in sys.path:
+    sys.path.append(_here)
 
 try:  # ComfyUI is importable only inside a ComfyUI host.
     import comfy_api.latest  # noqa: F401
@@ -19,4 +27,4 @@ else:
 if _IN_COMFY:
     from .nodes import comfy_entrypoint  # noqa: F401
 
-__all__ = ["WEB_DIRECTORY", "NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "comfy_entrypoint"]
+__all__ = ["WEB_DIRECTORY"]

@@ -78,9 +78,11 @@ class CompiledModule(torch.nn.Module):
         config: CompileConfig,
         store: CacheStore | None,
         label: str | None = None,
+        method: str = "forward",
     ) -> None:
         super().__init__()
         self._orig_mod = module
+        self._nx_method = method
         self._nx_config = config
         self._nx_store = store
         self._nx_name = label or type(module).__name__
@@ -141,14 +143,16 @@ class CompiledModule(torch.nn.Module):
         self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"))
         if self._nx_store is not None:
             self._nx_env = environment_fingerprint(device)
-            key = entry_key(structure_digest(self._orig_mod), self._nx_config.digest(), self._nx_env)
+            structure = f"{structure_digest(self._orig_mod)}.{self._nx_method}"
+            key = entry_key(structure, self._nx_config.digest(), self._nx_env)
             self._nx_entry = self._nx_store.entry(key)
             old_label = self._nx_label
             self._nx_label = f"{self._nx_name}:{key[:8]}"
             stats.rename(old_label, self._nx_label)
             stats.set_info(self._nx_label, cache_key=key)
+        target = self._orig_mod if self._nx_method == "forward" else getattr(self._orig_mod, self._nx_method)
         self._nx_compiled = torch.compile(
-            self._orig_mod,
+            target,
             backend=self._backend,
             dynamic=True if self._nx_config.dynamic else None,
             fullgraph=self._nx_config.fullgraph,
@@ -234,7 +238,7 @@ class CompiledModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._nx_failed is not None:
-            return self._orig_mod(*args, **kwargs)
+            return self._eager(*args, **kwargs)
         if self._nx_memory_format is not None:
             args, kwargs = shapes.to_memory_format(args, kwargs, self._nx_memory_format)
         stats.bump(self._nx_label, "calls")
@@ -249,7 +253,10 @@ class CompiledModule(torch.nn.Module):
             if type(err).__name__ in PASSTHROUGH or not isinstance(err, Exception):
                 raise
             self._fall_back(err)
-            return self._orig_mod(*args, **kwargs)
+            return self._eager(*args, **kwargs)
+
+    def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._orig_mod, self._nx_method)(*args, **kwargs)
 
 
 def default_cache_dir() -> str | None:
@@ -262,9 +269,11 @@ def compile(  # noqa: A001 - the seeds' name
     cache_dir: str | os.PathLike[str] | None = None,
     *,
     label: str | None = None,
+    method: str = "forward",
 ) -> CompiledModule:
     """Compile ``module`` with nexfort (lazily, at its first call).
 
+    ``method``: compile ``module.<method>`` instead of ``forward`` (a VAE's ``decode``/``encode``).
     ``options``: the seeds' dict / JSON string (see :func:`nexfort_engine.options.parse_options`).
     ``cache_dir``: where compiled artifacts persist; defaults to ``$NEXFORT_CACHE_DIR``; ``None``
     and no env var means Inductor's own default cache.
@@ -274,4 +283,4 @@ def compile(  # noqa: A001 - the seeds' name
     config = parse_options(options)
     cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
     store = CacheStore(cache_dir) if cache_dir else None
-    return CompiledModule(module, config, store, label=label)
+    return CompiledModule(module, config, store, label=label, method=method)

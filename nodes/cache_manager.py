@@ -1,0 +1,135 @@
+"""Nexfort Cache Manager: report the compile cache and counters; clear, export, import bundles.
+
+Bundle paths are file names inside ComfyUI's directories only: exports go to the output
+directory, imports come from the input directory (or output). Absolute paths, ``..`` and
+symbolic links are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from comfy_api.latest import io, ui
+
+import nexfort_engine
+from nexfort_engine.cache import CacheError, CacheStore, export_bundle, import_bundle
+
+from .patcher import cache_root
+
+ACTIONS = ["refresh", "clear_all", "clear_model", "export_bundle", "import_bundle"]
+
+
+def confined_path(name: str, *, for_write: bool) -> Path:
+    """Resolve a bundle file name inside ComfyUI's output (export) or input/output (import) dir."""
+    import folder_paths
+
+    name = (name or "").strip()
+    if not name:
+        raise CacheError("bundle_path is empty: give a file name such as 'nexfort-cache.tar.gz'")
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts:
+        raise CacheError(f"bundle_path {name!r} refused: use a relative file name inside ComfyUI's directories")
+    bases = [folder_paths.get_output_directory()] if for_write else [
+        folder_paths.get_input_directory(),
+        folder_paths.get_output_directory(),
+    ]
+    for base in bases:
+        base_real = Path(base).resolve()
+        cand = base_real / p
+        # refuse links anywhere on the way (a link could point outside)
+        cur = base_real
+        for part in p.parts:
+            cur = cur / part
+            if cur.is_symlink():
+                raise CacheError(f"bundle_path {name!r} refused: {part!r} is a symbolic link")
+        real = cand.resolve()
+        if os.path.commonpath([real, base_real]) != str(base_real):
+            raise CacheError(f"bundle_path {name!r} refused: it leaves {base_real}")
+        if for_write or real.exists():
+            return real
+    raise CacheError(f"bundle {name!r} not found in ComfyUI's input or output directory")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def report(store: CacheStore, message: str = "") -> str:
+    s = nexfort_engine.stats()
+    entries = store.list()
+    lines = [f"nexfort cache: {store.root}"]
+    if message:
+        lines.append(message)
+    lines.append(f"{len(entries)} entries, {_human(sum(e['size_bytes'] for e in entries))}")
+    for e in entries:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"])) if e["last_used"] else "-"
+        lines.append(f"  {e['key'][:12]}  {_human(e['size_bytes']):>9}  hits={e['hits']}  used={used}  {e['label']} [{e['options']}]")
+    lines.append(
+        f"this session: compiles={s['compiles']} recompiles={s['recompiles']} cache hits={s['cache_hits']} "
+        f"misses={s['cache_misses']} fallbacks={s['fallbacks']} compile time={s['compile_seconds']:.1f}s"
+    )
+    for label, m in s["models"].items():
+        lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, hits={m['cache_hits']}")
+        for r in m["recompile_reasons"][-3:]:
+            lines.append(f"    recompile: {r}")
+        for r in m["fallback_reasons"][-3:]:
+            lines.append(f"    fallback: {r}")
+    return "\n".join(lines)
+
+
+class NexfortCacheManager(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="NexfortCacheManager",
+            display_name="Nexfort Cache Manager",
+            category="nexfort/cache",
+            description="Show the nexfort compile cache (entries, sizes, hits/misses, recompiles and their reasons) "
+            "and manage it: refresh, clear all, clear one model, export/import a verified bundle.",
+            inputs=[
+                io.Combo.Input("action", options=ACTIONS, default="refresh",
+                               tooltip="refresh: report only. clear_all / clear_model: delete entries. "
+                               "export_bundle: write entries to the output folder. import_bundle: verify and "
+                               "install a bundle from the input (or output) folder."),
+                io.String.Input("key", default="", tooltip="Entry key (or its first characters) for clear_model, "
+                                "or to export a single entry. Shown in the report."),
+                io.String.Input("bundle_path", default="nexfort-cache.tar.gz",
+                                tooltip="Bundle file name, relative to ComfyUI's output folder (export) or "
+                                "input/output folder (import). Paths outside ComfyUI's folders are refused."),
+            ],
+            outputs=[io.String.Output("report", tooltip="The cache report as text.")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs) -> float:
+        return time.time()  # always re-run: the cache changes outside the graph
+
+    @classmethod
+    def execute(cls, action: str, key: str, bundle_path: str) -> io.NodeOutput:
+        store = CacheStore(cache_root())
+        if action == "refresh":
+            msg = ""
+        elif action == "clear_all":
+            msg = f"cleared {len(store.clear())} entries"
+        elif action == "clear_model":
+            if not key.strip():
+                raise CacheError("clear_model needs a key: copy one from the report (refresh)")
+            msg = f"cleared {', '.join(store.clear(key))}"
+        elif action == "export_bundle":
+            dest = confined_path(bundle_path, for_write=True)
+            index = export_bundle(store, dest, [key] if key.strip() else None)
+            msg = f"exported {len(index['entries'])} entries to {dest}"
+        elif action == "import_bundle":
+            keys = import_bundle(store, confined_path(bundle_path, for_write=False))
+            msg = f"imported {len(keys)} verified entries: {', '.join(k[:12] for k in keys)}"
+        else:
+            raise ValueError(f"unknown action {action!r}; valid actions: {', '.join(ACTIONS)}")
+        text = report(store, msg)
+        return io.NodeOutput(text, ui=ui.PreviewText(text))

@@ -1,0 +1,101 @@
+"""Inputs shared by the compile nodes and their queue-time validation."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from comfy_api.latest import io
+
+from nexfort_engine.options import MEMORY_FORMATS, CompileConfig, OptionsError, parse_options
+
+#: The mode dropdown: the seeds' presets and flag combinations.
+MODES = [
+    "O2",
+    "O1",
+    "O3",
+    "max-autotune",
+    "max-optimize:max-autotune",
+    "max-optimize:max-autotune:low-precision",
+    "max-optimize:max-autotune:freezing:benchmark:cudagraphs",
+    "cudagraphs:benchmark:max-autotune:low-precision:cache-all",
+    "jit:disable-runtime-fusion",
+]
+
+
+def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
+    inputs = [
+        io.Combo.Input(
+            "mode",
+            options=MODES,
+            default="O2",
+            tooltip="Compile mode. O1: fast compile. O2 (recommended): accurate, dynamic resolution, LoRA-safe. "
+            "O3: fastest (autotuning, CUDA graphs, reduced-precision math). Flags can be combined with ':'; "
+            "for any other combination put {\"mode\": \"...\"} in options.",
+        ),
+        io.Combo.Input(
+            "memory_format",
+            options=list(MEMORY_FORMATS),
+            default="contiguous",
+            tooltip="channels_last usually speeds up convolution-heavy models (UNets, VAEs) on GPUs.",
+        ),
+        io.Boolean.Input(
+            "dynamic",
+            default=True,
+            tooltip="Dynamic shape: one compiled graph for every resolution, batch size, prompt length and "
+            "step count (no recompiles). Turn off only for a single fixed shape.",
+        ),
+    ]
+    if include_fuse_qkv:
+        inputs.append(
+            io.Boolean.Input(
+                "fuse_qkv",
+                default=False,
+                tooltip="Fuse the query/key/value projections of self-attention into one matmul (graph pass).",
+            )
+        )
+    inputs.append(
+        io.String.Input(
+            "options",
+            default="",
+            multiline=True,
+            tooltip='Advanced JSON, the nexfort options format, e.g. {"mode": "max-autotune:cudagraphs", '
+            '"options": {"inductor.coordinate_descent_tuning": true}}. Keys here override the widgets. '
+            "Validated when the prompt is queued.",
+        )
+    )
+    return inputs
+
+
+def build_config(
+    mode: str, memory_format: str, dynamic: bool, options: str, fuse_qkv: bool = False
+) -> CompileConfig:
+    """Widgets + advanced JSON -> CompileConfig (JSON keys win). Raises OptionsError."""
+    merged: dict[str, Any] = {
+        "mode": mode,
+        "memory_format": memory_format,
+        "dynamic": dynamic,
+        "fuse_qkv_projections": fuse_qkv,
+    }
+    text = (options or "").strip()
+    if text:
+        try:
+            extra = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise OptionsError(
+                f"options is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                'expected e.g. {"mode": "O3", "memory_format": "channels_last"}'
+            ) from e
+        if not isinstance(extra, dict):
+            raise OptionsError(f"options must be a JSON object, got {type(extra).__name__}")
+        merged.update(extra)
+    return parse_options(merged)
+
+
+def validate_options(options: str | None) -> bool | str:
+    """Queue-time check of the advanced JSON: True, or the error text ComfyUI shows."""
+    try:
+        build_config("O2", "contiguous", True, options or "")
+    except OptionsError as e:
+        return f"nexfort: {e}"
+    return True

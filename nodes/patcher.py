@@ -1,0 +1,146 @@
+"""The only module that knows ComfyUI's ModelPatcher wrappers, VAE objects, folder_paths and UI.
+
+* Models: :func:`compile_model_patcher` clones the ModelPatcher and registers one
+  ``WrappersMP.APPLY_MODEL`` wrapper (the hook ComfyUI's own TorchCompileModel helper uses). At
+  sampling time the wrapper swaps ``diffusion_model`` for the engine's lazily compiled module for
+  the duration of the call. One compiled module per (diffusion model object, config) is kept in a
+  weak map, so clones and re-queued prompts reuse it; LoRA and other weight patches are written
+  by ComfyUI into the live parameters, which the compiled graph reads (no recompile, nothing
+  stale).
+* Low-VRAM / partial offload: ComfyUI then casts weights per layer on the fly; that path is run
+  eager for that call, with one warning and a counted fallback.
+* VAEs: :func:`compile_vae` returns a shallow copy of the VAE whose ``first_stage_model`` is a
+  proxy with compiled ``decode``/``encode`` (used by the plain and the tiled paths alike).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import weakref
+from typing import Any
+
+import torch
+
+import nexfort_engine
+from nexfort_engine import stats
+from nexfort_engine.cache import ENV_CACHE_DIR
+from nexfort_engine.options import CompileConfig
+
+log = logging.getLogger(__name__)
+
+WRAPPER_KEY = "nexfort"
+# diffusion/VAE module -> {config digest: CompiledModule}
+_compiled: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, nexfort_engine.CompiledModule]] = (
+    weakref.WeakKeyDictionary()
+)
+_warned_lowvram: set[int] = set()
+
+
+def cache_root() -> str:
+    """ComfyUI's internal (not HTTP-exposed) user dir ``<user>/__nexfort``, or $NEXFORT_CACHE_DIR."""
+    env = os.environ.get(ENV_CACHE_DIR)
+    if env:
+        return env
+    import folder_paths
+
+    return folder_paths.get_system_user_directory("nexfort")
+
+
+def _compiled_for(module: torch.nn.Module, config: CompileConfig, label: str, method: str = "forward"):
+    per_module = _compiled.setdefault(module, {})
+    key = f"{config.digest()}.{method}"
+    cm = per_module.get(key)
+    if cm is None:
+        cm = nexfort_engine.compile(module, config, cache_dir=cache_root(), label=label, method=method)
+        per_module[key] = cm
+    return cm
+
+
+def _progress(node_id: str | None, text: str) -> None:
+    try:
+        from server import PromptServer
+
+        PromptServer.instance.send_progress_text(text, node_id)
+    except Exception:  # noqa: BLE001 - UI nicety only (no server in-process)
+        pass
+
+
+def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None = None) -> Any:
+    """Clone ``model`` (a ModelPatcher) and register the nexfort APPLY_MODEL wrapper on the clone."""
+    from comfy.patcher_extension import WrappersMP
+
+    m = model.clone()
+    m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+
+    def nexfort_apply_model(executor: Any, *args: Any, **kwargs: Any) -> Any:
+        base = executor.class_obj  # comfy.model_base.BaseModel
+        diffusion_model = base.diffusion_model
+        if isinstance(diffusion_model, nexfort_engine.CompiledModule):  # nested wrappers
+            return executor(*args, **kwargs)
+        if getattr(base, "model_lowvram", False):
+            label = type(diffusion_model).__name__
+            if id(base) not in _warned_lowvram:
+                _warned_lowvram.add(id(base))
+                log.warning("nexfort: %s is partially offloaded (low VRAM): running eager", label)
+                stats.bump(label, "fallbacks")
+                stats.add_reason(label, "fallback", "low-VRAM / partial offload active: ran eager")
+            return executor(*args, **kwargs)
+        compiled = _compiled_for(diffusion_model, config, type(diffusion_model).__name__)
+        stats.set_info(compiled.label, node_id=node_id)
+        first = compiled._nx_compiled is None and compiled.failed is None
+        if first:
+            _progress(node_id, "nexfort: compiling (first step)…")
+        base.diffusion_model = compiled
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            base.diffusion_model = diffusion_model
+            if first:
+                rec = stats.snapshot()["models"].get(compiled.label, {})
+                _progress(node_id, f"nexfort: {rec.get('state', '?')} ({rec.get('compile_seconds', 0):.1f}s)")
+
+    m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, nexfort_apply_model)
+    m.model_options["nexfort_config"] = config.to_dict()
+    return m
+
+
+class _CompiledVAEModel(torch.nn.Module):
+    """Stands in for ``VAE.first_stage_model``: compiled ``decode``/``encode``, the rest delegated."""
+
+    def __init__(self, inner: torch.nn.Module, config: CompileConfig, node_id: str | None) -> None:
+        super().__init__()
+        self.inner = inner
+        self._config = config
+        self._node_id = node_id
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        cm = _compiled_for(self.inner, self._config, f"{type(self.inner).__name__}.{method}", method=method)
+        stats.set_info(cm.label, node_id=self._node_id)
+        return cm(*args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("decode", *args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("encode", *args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def compile_vae(vae: Any, config: CompileConfig, node_id: str | None = None) -> Any:
+    """Shallow-copy ``vae`` (a comfy.sd.VAE) with a compiled decode/encode; the input is untouched."""
+    inner = vae.first_stage_model
+    if isinstance(inner, _CompiledVAEModel):
+        inner = inner.inner
+    new = copy.copy(vae)
+    new.first_stage_model = _CompiledVAEModel(inner, config, node_id)
+    return new
