@@ -1,0 +1,53 @@
+"""Fixtures for the engine tests: a session-wide nexfort cache, fresh counters, the tiny zoo.
+
+The engine never imports ComfyUI, but the dynamic-shape tests drive it through ComfyUI's own
+model classes and sampler, in this process (``tiny_models.boot``). Tests that need the host are
+skipped, with the fix, where it is missing. Compiles that check logic use ``backend: eager``;
+real Inductor compiles carry ``@pytest.mark.inductor`` and share one cache dir per session so an
+identical compile in a later test is a cache hit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import tiny_models  # noqa: E402
+
+import nexfort_engine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def nx_cache(tmp_path_factory) -> Path:
+    """One nexfort cache root for the whole session (identical compiles hit)."""
+    return tmp_path_factory.mktemp("nexfort_engine_cache")
+
+
+@pytest.fixture
+def fresh_stats():
+    """Engine counters zeroed before the test (they are process-wide)."""
+    nexfort_engine.reset_stats()
+    yield nexfort_engine.stats
+    nexfort_engine.reset_stats()
+
+
+@pytest.fixture(scope="session")
+def comfy_inproc():
+    """ComfyUI imported in this process (--cpu, SDPA attention, grad off)."""
+    host = tiny_models.host_dir()
+    if not (host / "comfy").is_dir():
+        pytest.skip(f"no ComfyUI host at {host}: run `make host` (scripts/setup_host.sh)")
+    tiny_models.boot()
+    return host
+
+
+@pytest.fixture(scope="session")
+def zoo(comfy_inproc):
+    """name -> tiny ModelPatcher, built once per session (tests must not mutate them)."""
+    return {name: build() for name, build in tiny_models.FAMILIES.items()}

@@ -1,0 +1,118 @@
+"""Flags -> scoped settings: GPU-only flags dropped on CPU (one warning), runtime switches restored,
+the seeds' option keys mapped, and the flag table complete."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nexfort_engine import FLAGS, parse_options
+from nexfort_engine import settings as S
+
+
+@pytest.fixture(autouse=True)
+def _forget_warnings(monkeypatch):
+    monkeypatch.setattr(S, "_warned", set())
+
+
+def _warnings(caplog):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and "GPU-only" in r.getMessage()]
+
+
+def test_gpu_only_flags_dropped_on_cpu_with_one_warning(caplog):
+    cfg = parse_options({"mode": "O3"})
+    with caplog.at_level(logging.WARNING, logger="nexfort_engine.settings"):
+        first = S.resolve(cfg, cuda=False)
+        for _ in range(3):
+            again = S.resolve(cfg, cuda=False)
+    assert set(first.dropped) == {"max-autotune", "cudagraphs", "low-precision", "benchmark"}
+    assert again == first
+    warns = _warnings(caplog)
+    assert len(warns) == 1
+    assert all(f in warns[0].getMessage() for f in first.dropped)
+    # nothing from a dropped flag survives
+    assert "triton.cudagraphs" not in first.inductor and "max_autotune_gemm" not in first.inductor
+    assert first.runtime == {}
+    # what's left on CPU: max-optimize + cache-all + the base
+    assert first.inductor["aggressive_fusion"] is True and first.inductor["fx_graph_cache"] is True
+
+
+def test_o2_and_o3_reduce_to_the_same_cpu_settings():
+    o2 = S.resolve(parse_options({"mode": "O2"}), cuda=False)
+    o3 = S.resolve(parse_options({"mode": "O3"}), cuda=False)
+    assert o2.inductor == o3.inductor and o2.runtime == o3.runtime == {}
+
+
+def test_no_warning_without_gpu_only_flags(caplog):
+    with caplog.at_level(logging.WARNING, logger="nexfort_engine.settings"):
+        s = S.resolve(parse_options({"mode": "O1"}), cuda=False)
+    assert s.dropped == () and not _warnings(caplog)
+    assert s.inductor["max_autotune"] is False
+
+
+def test_gpu_flags_kept_with_cuda():
+    s = S.resolve(parse_options({"mode": "O3"}), cuda=True)
+    assert s.dropped == ()
+    assert s.inductor["triton.cudagraphs"] is True and s.inductor["max_autotune"] is True
+    assert s.runtime["matmul_allow_tf32"] is True and s.runtime["cudnn_benchmark"] is True
+
+
+def test_seed_option_keys_are_mapped():
+    cfg = parse_options({"mode": "O2", "options": {
+        "inductor.optimize_linear_epilogue": False,
+        "triton.fuse_attention_allow_fp16_reduction": True,
+        "overrides.conv_benchmark": False,
+        "overrides.matmul_allow_tf32": True,
+        "inductor.coordinate_descent_tuning": True,
+        "triton.unique_kernel_names": True,
+    }})
+    s = S.resolve(cfg, cuda=True)
+    assert s.inductor["epilogue_fusion"] is False  # overrides the max-optimize flag's True
+    assert s.runtime["sdp_fp16_bf16_reduction"] is True
+    assert s.runtime["cudnn_benchmark"] is False  # overrides the benchmark flag's True
+    assert s.runtime["matmul_allow_tf32"] is True
+    assert s.inductor["coordinate_descent_tuning"] is True
+    assert s.inductor["triton.unique_kernel_names"] is True
+    for key, (where, target) in S.SEED_KEYS.items():
+        assert where in ("inductor", "runtime") and key in cfg.to_dict()["overrides"]
+        assert target in (s.inductor if where == "inductor" else s.runtime)
+
+
+def test_every_inductor_patch_is_a_real_config_key():
+    from torch._inductor import config as ic
+
+    known = ic.get_config_copy()
+    for flag, patches in S.FLAG_INDUCTOR.items():
+        for k in patches:
+            assert k in known, f"flag {flag}: {k} is not an Inductor config key in torch {torch.__version__}"
+
+
+def test_runtime_overrides_restored_after_context():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32)
+    want = {"matmul_allow_tf32": not before[0], "cudnn_benchmark": not before[1], "cudnn_allow_tf32": not before[2],
+            "not_a_switch": True}
+    with S.runtime_overrides(want):
+        assert torch.backends.cuda.matmul.allow_tf32 == want["matmul_allow_tf32"]
+        assert torch.backends.cudnn.benchmark == want["cudnn_benchmark"]
+        assert torch.backends.cudnn.allow_tf32 == want["cudnn_allow_tf32"]
+    after = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32)
+    assert after == before
+
+
+def test_runtime_overrides_restored_on_exception():
+    before = torch.backends.cudnn.benchmark
+    with pytest.raises(RuntimeError), S.runtime_overrides({"cudnn_benchmark": not before}):
+        raise RuntimeError("boom")
+    assert torch.backends.cudnn.benchmark == before
+
+
+def test_flag_table_lists_every_flag():
+    table = S.flag_table()
+    for flag in FLAGS:
+        assert f"| `{flag}`" in table
+    for flag in S.GPU_ONLY:
+        assert f"`{flag}` (GPU only)" in table
+    assert set(S.FLAG_INDUCTOR) == set(FLAGS)  # every flag has a row of settings (maybe empty)
+    assert len(table.splitlines()) == len(FLAGS) + 2

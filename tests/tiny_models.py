@@ -1,0 +1,237 @@
+"""A tiny model zoo built through ComfyUI's own model classes, in-process, on CPU.
+
+Every model is a real ``comfy.model_base`` model from ``comfy.supported_models.<Family>`` wrapped
+in a ``comfy.model_patcher.ModelPatcher`` — the objects the pack sees inside ComfyUI — only with
+few blocks and small hidden sizes, and random finite weights drawn from a fixed seed (ComfyUI's
+``comfy.ops`` layers are created uninitialised, and their ``reset_parameters`` is a no-op).
+
+    boot()                      # ComfyUI on sys.path, --cpu, SDPA attention, grad off
+    mp = tiny_sd15()            # or tiny_pixart(), tiny_flux(); FAMILIES maps name -> builder
+    latent = sample(mp, h=64, w=64, batch=1, steps=3, cfg=5.0, ctx_len=77)   # comfy.sample.sample
+    out = call_diffusion(mp, h=64, w=96, batch=2, ctx_len=77)                # diffusion_model(...)
+
+``h``/``w`` are pixel sizes (latent = /8). Helpers take an optional ``diffusion_model`` to call
+instead of the patcher's own (a compiled one).
+
+The ComfyUI tree comes from ``$NEXFORT_HOST`` or ``<repo>/.host/ComfyUI`` (``make host``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def host_dir() -> Path:
+    return Path(os.environ.get("NEXFORT_HOST") or REPO / ".host" / "ComfyUI").resolve()
+
+
+_booted = False
+
+
+def boot() -> None:
+    """Import ComfyUI in this process the way main.py would for ``--cpu --use-pytorch-cross-attention``."""
+    global _booted
+    if _booted:
+        return
+    host = host_dir()
+    if not (host / "comfy").is_dir():
+        raise FileNotFoundError(f"no ComfyUI host at {host}: run `make host` (scripts/setup_host.sh)")
+    if str(host) not in sys.path:
+        sys.path.insert(0, str(host))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    comfy.cli_args.args.use_pytorch_cross_attention = True
+    comfy.cli_args.args.disable_api_nodes = True
+    torch.set_grad_enabled(False)
+    import comfy.model_management  # noqa: F401  (must follow the args)
+    import utils.install_util  # noqa: F401  (before a bare `import utils` can pick comfy/utils.py)
+    import comfy.model_patcher  # noqa: F401
+    import comfy.sample  # noqa: F401
+    import comfy.samplers  # noqa: F401
+    import comfy.supported_models  # noqa: F401
+
+    _booted = True
+
+
+def init_weights(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random finite weights, scaled so activations stay O(1) through a few blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if p.dim() == 1:
+            p.data.fill_(1.0 if ("norm" in name or name.endswith("scale")) else 0.0)
+            if "bias" in name:
+                p.data.normal_(0.0, 0.02, generator=gen)
+        else:
+            p.data.normal_(0.0, (1.0 / p[0].numel()) ** 0.5, generator=gen)
+    for _name, b in module.named_buffers():
+        if b.is_floating_point() and not torch.isfinite(b).all():
+            b.zero_()
+    return module
+
+
+@dataclass
+class Tiny:
+    """What the helpers need to know about a family."""
+
+    name: str
+    latent_channels: int
+    context_dim: int
+    #: extra conditioning dict entries for comfy.sample (e.g. pooled_output for Flux)
+    cond_extra: Callable[[], dict[str, Any]]
+    #: extra kwargs for a direct diffusion_model call, given (batch, h_lat, w_lat)
+    call_extra: Callable[[int, int, int], dict[str, Any]]
+
+
+SPECS: dict[str, Tiny] = {}
+
+
+def _patcher(model: torch.nn.Module, spec: Tiny) -> Any:
+    import comfy.model_patcher
+
+    model.eval()
+    mp = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    mp.nexfort_tiny = spec  # helpers read the family's spec from here
+    return mp
+
+
+def tiny_sd15(seed: int = 0) -> Any:
+    """SD1.5-family UNet, model_channels 32 (1.6M params)."""
+    boot()
+    import comfy.supported_models
+
+    unet_config = {
+        "model_channels": 32, "in_channels": 4, "out_channels": 4, "num_res_blocks": [1, 1],
+        "channel_mult": [1, 2], "transformer_depth": [1, 1], "transformer_depth_output": [1, 1, 1, 1],
+        "context_dim": 64, "num_heads": 2, "num_head_channels": -1, "use_linear_in_transformer": False,
+        "adm_in_channels": None, "use_spatial_transformer": True, "legacy": False,
+        "transformer_depth_middle": 1, "use_temporal_resblock": False, "use_temporal_attention": False,
+        "dims": 2, "num_classes": None, "image_size": 32, "use_checkpoint": False,
+    }
+    model = init_weights(comfy.supported_models.SD15(unet_config).get_model({}), seed)
+    spec = SPECS["sd15"]
+    return _patcher(model, spec)
+
+
+def tiny_pixart(seed: int = 0) -> Any:
+    """PixArt-alpha DiT: 2 blocks, hidden 48 (micro-conditioning needs a multiple of 3), patch 2, micro-conditioning on."""
+    boot()
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "pixart_alpha", "micro_condition": True, "input_size": 32, "patch_size": 2,
+        "in_channels": 4, "hidden_size": 48, "depth": 2, "num_heads": 2, "caption_channels": 48,
+        "pe_interpolation": 0.5, "model_max_length": 120, "learn_sigma": True, "pred_sigma": True,
+    }
+    model = init_weights(comfy.supported_models.PixArtAlpha(unet_config).get_model({}), seed)
+    return _patcher(model, SPECS["pixart"])
+
+
+def tiny_flux(seed: int = 0) -> Any:
+    """Flux DiT: 1 double + 1 single block, hidden 64, 2 heads, patch 2."""
+    boot()
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
+        "context_in_dim": 48, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 1,
+        "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 2,
+        "qkv_bias": True, "guidance_embed": True,
+    }
+    model = init_weights(comfy.supported_models.Flux(unet_config).get_model({}), seed)
+    return _patcher(model, SPECS["flux"])
+
+
+def _no_extra(*_a: Any) -> dict[str, Any]:
+    return {}
+
+
+SPECS.update(
+    sd15=Tiny("sd15", 4, 64, _no_extra, _no_extra),
+    pixart=Tiny("pixart", 4, 48, _no_extra, _no_extra),
+    flux=Tiny(
+        "flux", 16, 48,
+        lambda: {"pooled_output": torch.randn(1, 32, generator=torch.Generator().manual_seed(7))},
+        lambda b, h, w: {
+            "y": torch.randn(b, 32, generator=torch.Generator().manual_seed(7)),
+            "guidance": torch.full((b,), 3.5),
+        },
+    ),
+)
+
+#: name -> (square, landscape, portrait) pixel sizes the family handles. PixArt derives its
+#: position-embedding base size from round(latent side / 64): latents under 48 give a zero base.
+RESOLUTIONS: dict[str, list[tuple[int, int]]] = {
+    "sd15": [(64, 64), (64, 96), (96, 64)],
+    "pixart": [(384, 384), (384, 512), (512, 384)],
+    "flux": [(64, 64), (64, 96), (96, 64)],
+}
+
+#: name -> builder
+FAMILIES: dict[str, Callable[..., Any]] = {"sd15": tiny_sd15, "pixart": tiny_pixart, "flux": tiny_flux}
+
+
+def _conds(spec: Tiny, ctx_len: int, seed: int) -> tuple[list, list]:
+    gen = torch.Generator().manual_seed(seed)
+    pos = [[torch.randn(1, ctx_len, spec.context_dim, generator=gen), dict(spec.cond_extra())]]
+    neg = [[torch.randn(1, ctx_len, spec.context_dim, generator=gen), dict(spec.cond_extra())]]
+    return pos, neg
+
+
+def sample(
+    mp: Any,
+    h: int = 64,
+    w: int = 64,
+    batch: int = 1,
+    steps: int = 3,
+    cfg: float = 5.0,
+    ctx_len: int = 77,
+    seed: int = 0,
+    sampler: str = "euler",
+    scheduler: str = "normal",
+) -> torch.Tensor:
+    """Denoise an empty latent through ComfyUI's real sampler (``comfy.sample.sample``)."""
+    import comfy.sample
+
+    spec: Tiny = mp.nexfort_tiny
+    gen = torch.Generator().manual_seed(seed)
+    latent = torch.zeros(batch, spec.latent_channels, h // 8, w // 8)
+    noise = torch.randn(latent.shape, generator=gen)
+    pos, neg = _conds(spec, ctx_len, seed + 1)
+    return comfy.sample.sample(
+        mp, noise, steps, cfg, sampler, scheduler, pos, neg, latent, seed=seed, disable_pbar=True
+    )
+
+
+def call_diffusion(
+    mp: Any,
+    h: int = 64,
+    w: int = 64,
+    batch: int = 1,
+    ctx_len: int = 77,
+    seed: int = 0,
+    diffusion_model: Callable[..., Any] | None = None,
+) -> torch.Tensor:
+    """Call the diffusion model (or ``diffusion_model``) directly on random inputs of this shape."""
+    spec: Tiny = mp.nexfort_tiny
+    gen = torch.Generator().manual_seed(seed)
+    hl, wl = h // 8, w // 8
+    x = torch.randn(batch, spec.latent_channels, hl, wl, generator=gen)
+    t = torch.rand(batch, generator=gen) * (999 if spec.name != "flux" else 1.0)
+    ctx = torch.randn(batch, ctx_len, spec.context_dim, generator=gen)
+    fn = diffusion_model if diffusion_model is not None else mp.model.diffusion_model
+    return fn(x, t, ctx, **spec.call_extra(batch, hl, wl))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to the output scale (max |b|, at least 1e-6)."""
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
