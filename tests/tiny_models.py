@@ -18,6 +18,7 @@ The ComfyUI tree comes from ``$NEXFORT_HOST`` or ``<repo>/.host/ComfyUI`` (``mak
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from dataclasses import dataclass
@@ -52,12 +53,11 @@ def boot() -> None:
     comfy.cli_args.args.use_pytorch_cross_attention = True
     comfy.cli_args.args.disable_api_nodes = True
     torch.set_grad_enabled(False)
-    import comfy.model_management  # noqa: F401  (must follow the args)
-    import utils.install_util  # noqa: F401  (before a bare `import utils` can pick comfy/utils.py)
-    import comfy.model_patcher  # noqa: F401
-    import comfy.sample  # noqa: F401
-    import comfy.samplers  # noqa: F401
-    import comfy.supported_models  # noqa: F401
+    # order matters: model_management reads the args; utils.install_util must be imported before
+    # anything runs a bare `import utils` (nodes.py puts <tree>/comfy first on sys.path)
+    for name in ("comfy.model_management", "utils.install_util", "comfy.model_patcher", "comfy.sample",
+                 "comfy.samplers", "comfy.supported_models"):
+        importlib.import_module(name)
 
     _booted = True
 
