@@ -41,6 +41,17 @@ PASSTHROUGH = ("InterruptProcessingException", "KeyboardInterrupt")
 _compile_lock = threading.RLock()
 
 
+def _exception_chain(err: BaseException) -> list[BaseException]:
+    """``err`` and what it wraps: Dynamo re-raises backend errors as ``BackendCompilerFailed``
+    (``from None``), keeping the original only in ``inner_exception``."""
+    chain: list[BaseException] = []
+    e: BaseException | None = err
+    while e is not None and e not in chain and len(chain) < 16:
+        chain.append(e)
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return chain
+
+
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     for v in list(args) + list(kwargs.values()):
         if isinstance(v, torch.Tensor):
@@ -120,7 +131,13 @@ class CompiledModule(torch.nn.Module):
 
     # -- compile machinery
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """Dynamo's backend: compile one graph; count it only once it compiled (Dynamo may restart
+        an analysis, e.g. TensorifyScalarRestartAnalysis, by raising from inside the backend)."""
+        compiled = self._compile_graph(gm, example_inputs)
         self._nx_graphs += 1
+        return compiled
+
+    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         backend = self._nx_config.backend
         if backend == "eager":
             return gm.forward
@@ -215,21 +232,30 @@ class CompiledModule(torch.nn.Module):
         )
         entry = self._nx_entry
         if entry is not None and self._nx_store is not None:
-            with entry.lock():
-                meta = entry.read_meta()
-                size = entry.commit(
-                    self._nx_env or {},
-                    {
-                        "label": self._nx_name,
-                        "options": self._nx_config.describe(),
-                        "hits": int(meta.get("hits", 0)) + (1 if hits and not misses else 0),
-                    },
-                )
+            try:
+                with entry.lock():
+                    meta = entry.read_meta()
+                    size = entry.commit(
+                        self._nx_env or {},
+                        {
+                            "label": self._nx_name,
+                            "options": self._nx_config.describe(),
+                            "hits": int(meta.get("hits", 0)) + (1 if hits and not misses else 0),
+                        },
+                    )
+            except OSError as e:  # disk full, read-only dir: the compiled module still works
+                log.warning("nexfort: could not persist cache entry %s (%s); the compile is kept in memory",
+                            entry.key, e)
+                return
             log.info("nexfort: cache entry %s committed (%d bytes) in %s", entry.key, size, entry.path)
             self._nx_store.evict(keep=entry.key)
 
     def _fall_back(self, err: BaseException) -> None:
-        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
+        root = _exception_chain(err)[-1]  # the backend's own error, not Dynamo's wrapper
+        text = str(root).strip()
+        reason = f"{type(root).__name__}: {text.splitlines()[0][:300] if text else ''}"
+        if root is not err:
+            reason = f"{type(err).__name__}: {reason}"
         self._nx_failed = reason
         stats.bump(self._nx_label, "fallbacks")
         stats.add_reason(self._nx_label, "fallback", reason)
@@ -252,6 +278,9 @@ class CompiledModule(torch.nn.Module):
         except BaseException as err:
             if type(err).__name__ in PASSTHROUGH or not isinstance(err, Exception):
                 raise
+            for inner in _exception_chain(err)[1:]:  # an interrupt wrapped by Dynamo
+                if type(inner).__name__ in PASSTHROUGH or not isinstance(inner, Exception):
+                    raise inner from None
             self._fall_back(err)
             return self._eager(*args, **kwargs)
 

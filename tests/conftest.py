@@ -8,6 +8,7 @@ can. The server runs with an isolated ``--base-directory`` (its own output/user/
 Environment:
   NEXFORT_HOST              ComfyUI tree (default: <repo>/.host/ComfyUI, made by `make host`)
   NEXFORT_TEST_KEEP_CACHE   a directory to use as the compile cache instead of a fresh temp dir
+  NEXFORT_TEST_PACK         the pack checkout to link into custom_nodes (default: this repository)
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def tiny_ckpt(comfy_host) -> Path:
 @pytest.fixture(scope="session")
 def comfy_base(tmp_path_factory, tiny_ckpt) -> Path:
     """An isolated ComfyUI base directory with the pack and the tiny checkpoint linked in."""
-    return comfy_server.make_base_dir(tmp_path_factory.mktemp("comfy_base"), [tiny_ckpt])
+    pack = os.environ.get("NEXFORT_TEST_PACK") or REPO
+    return comfy_server.make_base_dir(tmp_path_factory.mktemp("comfy_base"), [tiny_ckpt], pack=pack)
 
 
 @pytest.fixture(scope="session")
