@@ -1,0 +1,475 @@
+"""Text-to-image/video benchmark through ComfyUI's real sampler path (``comfy.sample.sample``).
+
+One model x one compiler per process (``--compiler none|comfy|nexfort``), random weights in the
+real architecture at real size, random conditioning of the real shapes (no text encoders, no VAE):
+
+    python benchmarks/text_to_image.py --comfy-root PATH --model sd21 --compiler nexfort \
+        --compiler-config '{"mode": "O2"}' --steps 20 --output-json out/sd21_nexfort.json
+
+Metrics (see BENCHMARKS.md): steady it/s, E2E seconds, peak CUDA memory, warm-up with compile,
+warm-up with a warm cache (``--warm-cache-check``: a second process on the same cache dir),
+compiles/recompiles, error of the final latent vs an eager run of the same seed and vs a float32
+eager reference (``--fp32-reference``). ``--run_multiple_resolutions`` sweeps resolutions x step
+counts x prompt lengths and reports recompiles. ``--tiny --device cpu`` runs tiny twins for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = "nexfort-bench/1"
+
+
+def _fix_sys_path(comfy_root: Path) -> None:
+    """ComfyUI's tree first (its ``nodes.py``/``utils`` must win), this repo appended (``benchmarks``,
+    ``nexfort_engine``), and this script's own folder removed (no accidental top-level modules)."""
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    if str(comfy_root) not in sys.path:
+        sys.path.insert(0, str(comfy_root))
+    if str(REPO) not in sys.path:
+        sys.path.append(str(REPO))
+
+
+def default_comfy_root() -> Path:
+    env = os.environ.get("NEXFORT_HOST") or os.environ.get("COMFYUI_ROOT")
+    return Path(env) if env else REPO / ".host" / "ComfyUI"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--comfy-root", type=Path, default=None, help="ComfyUI tree (default: $NEXFORT_HOST or .host/ComfyUI)")
+    p.add_argument("--model", default="sd21", choices=["sd21", "sdxl", "pixart", "flux", "wan"])
+    p.add_argument("--compiler", default="nexfort", choices=["none", "comfy", "nexfort"])
+    p.add_argument("--compiler-config", default='{"mode": "O2"}', help="nexfort options JSON (the seeds' format)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--frames", type=int, default=None, help="video models (wan): frame count")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cfg", type=float, default=None, help="default: the model's usual cfg")
+    p.add_argument("--sampler", default="euler")
+    p.add_argument("--scheduler", default=None, help="default: the model's usual scheduler")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3, help="timed sampling runs after warm-up (median reported)")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None, help="default: as ComfyUI picks")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny twins of the architectures (CPU tests)")
+    p.add_argument("--run_multiple_resolutions", "--run-multiple-resolutions", dest="run_multiple_resolutions",
+                   type=int, nargs="?", const=1, default=0,
+                   help="sweep 4 resolutions x 2 step counts x 2 prompt lengths and report recompiles")
+    p.add_argument("--fp32-reference", choices=["auto", "always", "never"], default="auto",
+                   help="float32 eager reference run (auto: when it fits in GPU memory)")
+    p.add_argument("--warm-cache-check", action="store_true",
+                   help="re-run the compile in a second process on the same cache dir (warm-up with warm cache)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="compile caches (Inductor/Triton/nexfort); default: a fresh temp dir (cold compile)")
+    p.add_argument("--output-json", type=Path, default=None)
+    p.add_argument("--output-markdown", type=Path, default=None)
+    p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.compiler == "none" and args.warm_cache_check:
+        p.error("--warm-cache-check needs --compiler comfy or nexfort")
+    return args
+
+
+# -- ComfyUI in-process ---------------------------------------------------------------------------
+
+
+def boot_comfy(comfy_root: Path, device: str) -> None:
+    """Import ComfyUI the way main.py does (CLI args set before ``comfy.model_management``)."""
+    if not (comfy_root / "comfy").is_dir():
+        raise SystemExit(f"no ComfyUI tree at {comfy_root}: pass --comfy-root (or run `make host`)")
+    _fix_sys_path(comfy_root)
+    import comfy.cli_args
+
+    comfy.cli_args.args.disable_api_nodes = True
+    if device == "cpu":
+        comfy.cli_args.args.cpu = True
+        # SDPA: the default sub-quadratic attention graph-breaks under torch.compile on CPU
+        comfy.cli_args.args.use_pytorch_cross_attention = True
+    import torch
+
+    torch.set_grad_enabled(False)
+    import comfy.model_management  # noqa: F401  (after the args)
+    import comfy.model_patcher  # noqa: F401
+    import comfy.sample  # noqa: F401
+    import comfy.samplers  # noqa: F401
+    import comfy.supported_models  # noqa: F401
+    import utils.install_util  # noqa: F401  (before anything imports a bare `utils`)
+
+
+def load_pack() -> Any:
+    """This repo as a custom-node package (as ComfyUI loads it) -> its ``nodes`` subpackage."""
+    import importlib
+    import importlib.util
+
+    name = "nexfort_pack"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "__init__.py", submodule_search_locations=[str(REPO)])
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return importlib.import_module(f"{name}.nodes")
+
+
+def apply_compiler(mp: Any, compiler: str, config_json: str) -> Any:
+    """A clone of ``mp`` compiled the way each node does it (the original stays eager)."""
+    if compiler == "none":
+        return mp
+    if compiler == "comfy":
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+        m = mp.clone()
+        set_torch_compile_wrapper(model=m, backend="inductor")
+        return m
+    load_pack()
+    import importlib
+
+    common = importlib.import_module("nexfort_pack.nodes.common")
+    patcher = importlib.import_module("nexfort_pack.nodes.patcher")
+    if callable(getattr(patcher, "stats", None)) and not hasattr(patcher.stats, "bump"):
+        # `from nexfort_engine import stats` yields the snapshot *function* (the package re-exports
+        # `stats = snapshot`), not the counters module: point the glue at the module until fixed.
+        print("benchmark: working around nodes/patcher.py importing nexfort_engine.stats (the function)",
+              file=sys.stderr)
+        patcher.stats = sys.modules["nexfort_engine.stats"]
+    config = common.build_config("O2", "contiguous", True, config_json)
+    return patcher.compile_model_patcher(mp, config, node_id="benchmark")
+
+
+# -- sampling ---------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Everything one sampling run needs; :meth:`run` returns (latent, metrics)."""
+
+    def __init__(self, args: argparse.Namespace, spec: Any, device: Any) -> None:
+        self.args = args
+        self.spec = spec
+        self.device = device
+
+    def run(self, mp: Any, height: int, width: int, steps: int, text_len: int | None = None) -> tuple[Any, dict]:
+        import comfy.sample
+        import torch
+
+        from benchmarks import metrics, models
+
+        spec, args = self.spec, self.args
+        latent = torch.zeros(spec.latent_shape(args.batch, height, width, args.frames))
+        latent = comfy.sample.fix_empty_latent_channels(mp, latent)
+        noise = comfy.sample.prepare_noise(latent, args.seed)
+        pos, neg = models.conditioning(spec, height, width, text_len)
+        timer = metrics.StepTimer(self.device)
+        metrics.sync(self.device)
+        t0 = time.perf_counter()
+        out = comfy.sample.sample(
+            mp, noise, steps, self.cfg, args.sampler, self.scheduler, pos, neg, latent,
+            callback=timer, disable_pbar=True, seed=args.seed,
+        )
+        metrics.sync(self.device)
+        e2e = time.perf_counter() - t0
+        return out, {"e2e_s": e2e, "it_s": timer.it_per_s(), "steps_seen": len(timer.marks)}
+
+    @property
+    def cfg(self) -> float:
+        return self.args.cfg if self.args.cfg is not None else self.spec.cfg
+
+    @property
+    def scheduler(self) -> str:
+        return self.args.scheduler or self.spec.scheduler
+
+
+def environment(device: Any) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "date": _dt.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        env["triton"] = None
+    try:
+        import comfyui_version
+
+        env["comfyui"] = comfyui_version.__version__
+    except Exception:  # noqa: BLE001
+        env["comfyui"] = None
+    try:
+        import nexfort_engine
+
+        env["nexfort"] = nexfort_engine.__version__
+    except Exception:  # noqa: BLE001
+        env["nexfort"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu_mem_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+        env["cuda"] = torch.version.cuda
+    else:
+        env["gpu"] = None
+    return env
+
+
+def _fp32_affordable(spec: Any, device: Any, dtype: Any, mode: str) -> bool:
+    import torch
+
+    if mode == "never":
+        return False
+    if mode == "always" or device.type != "cuda":
+        return True
+    total = torch.cuda.get_device_properties(device).total_memory
+    lowp = torch.tensor([], dtype=dtype).element_size()
+    # fp32 twin + the low-precision model + activations headroom
+    return spec.params * (4 + lowp) * 1.25 < 0.85 * total
+
+
+def _setup_cache_env(args: argparse.Namespace) -> tuple[Path, bool]:
+    if args.cache_dir is None:
+        args.cache_dir = Path(tempfile.mkdtemp(prefix="nexfort_bench_cache_"))
+    cache = args.cache_dir.resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    was_empty = not any(cache.iterdir())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
+    os.environ["NEXFORT_CACHE_DIR"] = str(cache / "nexfort")
+    return cache, was_empty
+
+
+def _child_argv(args: argparse.Namespace, out_json: Path) -> list[str]:
+    """Same benchmark, second process, same cache dir: measure warm-up with a warm cache only."""
+    argv = [a for a in sys.argv[1:]]
+    drop_with_value = {"--output-json", "--output-markdown", "--cache-dir", "--repeat", "--fp32-reference"}
+    drop_flags = {"--warm-cache-check", "--run_multiple_resolutions", "--run-multiple-resolutions"}
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        key = a.split("=", 1)[0]
+        if key in drop_with_value:
+            skip = "=" not in a
+            continue
+        if key in drop_flags:
+            # --run_multiple_resolutions takes an optional value
+            if "=" not in a and i + 1 < len(argv) and argv[i + 1].isdigit():
+                skip = True
+            continue
+        out.append(a)
+    return [sys.executable, str(Path(__file__).resolve()), *out, "--warm-child", "--repeat", "0",
+            "--fp32-reference", "never", "--cache-dir", str(args.cache_dir), "--output-json", str(out_json)]
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    cache_dir, cache_was_empty = _setup_cache_env(args)
+    comfy_root = (args.comfy_root or default_comfy_root()).resolve()
+    boot_comfy(comfy_root, args.device)
+    import torch
+
+    from benchmarks import metrics, models
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny on CPU)")
+    spec = models.get_spec(args.model, tiny=args.tiny)
+    height = args.height or spec.height
+    width = args.width or spec.width
+    if spec.frames is None:
+        args.frames = None
+    elif args.frames is None:
+        args.frames = spec.frames
+    dtype, manual_cast = models.pick_dtypes(spec, device, args.dtype)
+    runner = Runner(args, spec, device)
+
+    result: dict[str, Any] = {
+        "model": args.model,
+        "title": spec.title,
+        "tiny": args.tiny,
+        "compiler": args.compiler,
+        "compiler_config": args.compiler_config if args.compiler == "nexfort" else (
+            '{"backend": "inductor"}' if args.compiler == "comfy" else None),
+        "height": height,
+        "width": width,
+        "frames": args.frames,
+        "batch": args.batch,
+        "steps": args.steps,
+        "cfg": runner.cfg,
+        "sampler": args.sampler,
+        "scheduler": runner.scheduler,
+        "dtype": str(dtype).replace("torch.", ""),
+        "manual_cast": str(manual_cast).replace("torch.", "") if manual_cast is not None else None,
+        "detected_as": None if args.tiny else models.check_detection(spec),
+        "cache_dir": str(cache_dir),
+        "cache_dir_was_empty": cache_was_empty,
+    }
+    if args.compiler == "nexfort":
+        from nexfort_engine import parse_options
+
+        result["compiler_config_resolved"] = parse_options(args.compiler_config).to_dict()
+
+    t0 = time.perf_counter()
+    mp = models.build(spec, device, dtype, manual_cast, seed=args.seed)
+    metrics.sync(device)
+    result["build_s"] = time.perf_counter() - t0
+    result["params"] = sum(p.numel() for p in mp.model.diffusion_model.parameters())
+
+    # float32 eager reference (same weights, upcast), freed before anything is measured
+    ref32 = None
+    if not args.warm_child and _fp32_affordable(spec, device, dtype, args.fp32_reference):
+        if dtype == torch.float32:
+            result["fp32_reference"] = "model already runs in float32"
+        else:
+            twin = models.build_fp32_twin(spec, device, mp)
+            ref32, _ = runner.run(twin, height, width, args.steps)
+            del twin
+            import comfy.model_management as mm
+
+            mm.unload_all_models()
+            mm.soft_empty_cache()
+            result["fp32_reference"] = "eager float32, same weights"
+    elif not args.warm_child:
+        result["fp32_reference"] = "skipped (does not fit)" if args.fp32_reference == "auto" else "skipped"
+
+    # eager at the model's dtype: the baseline (compiler none) or the same-seed reference
+    eager_latent = None
+    if not args.warm_child:
+        metrics.reset_peak(device)
+        eager_latent, m = runner.run(mp, height, width, args.steps)
+        result["eager_warmup_s"] = m["e2e_s"]
+        if args.compiler == "none":
+            result["warmup_s"] = m["e2e_s"]
+
+    target = apply_compiler(mp, args.compiler, args.compiler_config)
+    graphs0 = metrics.dynamo_unique_graphs()
+    if args.compiler == "nexfort":
+        import nexfort_engine
+
+        nexfort_engine.reset_stats()
+
+    if args.compiler != "none":
+        # first sampling through the compiled model: warm-up with compilation
+        latent, m = runner.run(target, height, width, args.steps)
+        result["warmup_s"] = m["e2e_s"]
+        result["counts_after_warmup"] = metrics.compile_counts(args.compiler, graphs0)
+    else:
+        latent = eager_latent
+
+    metrics.reset_peak(device)
+    runs = []
+    for _ in range(max(args.repeat, 0)):
+        latent, m = runner.run(target, height, width, args.steps)
+        runs.append(m)
+    result["runs"] = runs
+    result["it_s"] = metrics.median([r["it_s"] for r in runs])
+    result["e2e_s"] = metrics.median([r["e2e_s"] for r in runs])
+    result["peak_mem_gib"] = metrics.peak_gib(device) if runs else None
+    result.update(metrics.compile_counts(args.compiler, graphs0))
+
+    if latent is not None:
+        result["latent_finite"] = bool(torch.isfinite(latent).all())
+        result["latent_std"] = float(latent.float().std())
+    if args.compiler != "none" and eager_latent is not None:
+        result["err_vs_eager"] = metrics.latent_error(latent, eager_latent)
+    if ref32 is not None and eager_latent is not None:
+        result["eager_err_vs_fp32"] = metrics.latent_error(eager_latent, ref32)
+        result["err_vs_fp32"] = metrics.latent_error(latent, ref32)
+        e_eager = result["eager_err_vs_fp32"]["max_abs"]
+        e_comp = result["err_vs_fp32"]["max_abs"]
+        # the lossless claim: compiled error vs fp32 within 1.5x the eager-at-dtype error vs fp32
+        result["lossless"] = bool(e_comp <= 1.5 * e_eager + 1e-6)
+
+    if args.run_multiple_resolutions:
+        result["sweep"] = sweep(args, spec, runner, target, graphs0)
+
+    if args.warm_cache_check:
+        result["warmup_warm_cache_s"], result["warm_child"] = warm_cache_check(args)
+    return result
+
+
+def sweep(args: argparse.Namespace, spec: Any, runner: Runner, target: Any, graphs0: int) -> list[dict]:
+    """4 resolutions x 2 step counts x 2 prompt lengths; recompiles counted per combination."""
+    from benchmarks import metrics
+
+    step_counts = (args.steps, max(args.steps // 2, 2))
+    rows = []
+    for h, w in spec.sweep_resolutions:
+        for steps in step_counts:
+            for text_len in spec.sweep_text_lens:
+                before = metrics.compile_counts(args.compiler, graphs0)
+                _, first = runner.run(target, h, w, steps, text_len)
+                _, again = runner.run(target, h, w, steps, text_len)
+                after = metrics.compile_counts(args.compiler, graphs0)
+                rows.append({
+                    "height": h, "width": w, "steps": steps, "text_len": text_len,
+                    "first_s": first["e2e_s"], "e2e_s": again["e2e_s"], "it_s": again["it_s"],
+                    "new_compiles": after["compiles"] - before["compiles"],
+                    "fallbacks": after.get("fallbacks", 0) - before.get("fallbacks", 0),
+                })
+                print(f"sweep {h}x{w} steps={steps} text={text_len}: first {first['e2e_s']:.2f}s, "
+                      f"{again['it_s'] or 0:.2f} it/s, new compiles {rows[-1]['new_compiles']}", flush=True)
+    return rows
+
+
+def warm_cache_check(args: argparse.Namespace) -> tuple[float | None, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "child.json"
+        argv = _child_argv(args, out)
+        print("warm-cache check: " + " ".join(argv), flush=True)
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.is_file():
+            return None, {"rc": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
+        child = json.loads(out.read_text())["runs"][0]
+    keep = ("warmup_s", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses", "cache_dir_was_empty")
+    return child.get("warmup_s"), {k: child.get(k) for k in keep}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    result = benchmark(args)
+    result["wall_s"] = time.perf_counter() - t0
+    import torch
+
+    doc = {
+        "schema": SCHEMA,
+        "env": environment(torch.device(args.device)),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "runs": [result],
+    }
+    text = json.dumps(doc, indent=2, default=str)
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(text)
+    from benchmarks import report
+
+    md = report.render([doc])
+    if args.output_markdown:
+        args.output_markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.output_markdown.write_text(md)
+    if not args.warm_child:
+        print(md)
+        print(report.one_line(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
