@@ -104,6 +104,7 @@ class CompiledModule(torch.nn.Module):
         self._nx_graphs = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
+        self._nx_cudagraphs = False
         self._nx_memory_format = (
             torch.channels_last if config.memory_format == "channels_last" else None
         )
@@ -158,6 +159,9 @@ class CompiledModule(torch.nn.Module):
     def _setup(self, example: torch.Tensor | None) -> None:
         device = str(example.device) if example is not None else "cpu"
         self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"))
+        self._nx_cudagraphs = bool(self._nx_settings.inductor.get("triton.cudagraphs")) and (
+            self._nx_config.backend == "inductor"
+        )
         if self._nx_store is not None:
             self._nx_env = environment_fingerprint(device)
             structure = f"{structure_digest(self._orig_mod)}.{self._nx_method}"
@@ -205,6 +209,10 @@ class CompiledModule(torch.nn.Module):
         with self._scope():
             if graphs0 == 0:
                 stats.set_info(self._nx_label, state="compiling")
+            if self._nx_cudagraphs:
+                # each call is a new inference step: its outputs are consumed before the next call
+                # (ComfyUI accumulates them at once), so CUDA-graph trees may reuse their memory
+                torch.compiler.cudagraph_mark_step_begin()
             out = self._nx_compiled(*args, **kwargs)
         dt = time.perf_counter() - t0
         new = self._nx_graphs - graphs0
