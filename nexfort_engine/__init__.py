@@ -11,9 +11,9 @@ Importing this package starts no CUDA and imports no Triton.
 from __future__ import annotations
 
 from .compiler import CompiledModule, compile
+from .counters import reset as reset_stats
+from .counters import snapshot as stats
 from .options import FLAGS, PRESETS, CompileConfig, OptionsError, parse_options
-from .stats import reset as reset_stats
-from .stats import snapshot as stats
 
 __version__ = "0.1.0"
 

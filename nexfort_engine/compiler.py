@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import shapes, stats
+from . import counters, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR
 from .options import CompileConfig, parse_options
@@ -108,7 +108,7 @@ class CompiledModule(torch.nn.Module):
         self._nx_memory_format = (
             torch.channels_last if config.memory_format == "channels_last" else None
         )
-        stats.set_info(self._nx_label, state="pending", config=config.describe())
+        counters.set_info(self._nx_label, state="pending", config=config.describe())
 
     # -- attribute access falls through to the wrapped module (dtype, config attributes, ...)
     def __getattr__(self, name: str) -> Any:
@@ -169,8 +169,8 @@ class CompiledModule(torch.nn.Module):
             self._nx_entry = self._nx_store.entry(key)
             old_label = self._nx_label
             self._nx_label = f"{self._nx_name}:{key[:8]}"
-            stats.rename(old_label, self._nx_label)
-            stats.set_info(self._nx_label, cache_key=key)
+            counters.rename(old_label, self._nx_label)
+            counters.set_info(self._nx_label, cache_key=key)
         target = self._orig_mod if self._nx_method == "forward" else getattr(self._orig_mod, self._nx_method)
         self._nx_compiled = torch.compile(
             target,
@@ -197,7 +197,7 @@ class CompiledModule(torch.nn.Module):
             if entry is not None:
                 state = entry.verify(self._nx_env)
                 if state == "corrupt":
-                    stats.bump(self._nx_label, "corrupt_entries")
+                    counters.bump(self._nx_label, "corrupt_entries")
                 log.info("nexfort: cache entry %s: %s", entry.key, state)
             return self._call_compiled(args, kwargs, first=True)
 
@@ -208,7 +208,7 @@ class CompiledModule(torch.nn.Module):
         t0 = time.perf_counter()
         with self._scope():
             if graphs0 == 0:
-                stats.set_info(self._nx_label, state="compiling")
+                counters.set_info(self._nx_label, state="compiling")
             if self._nx_cudagraphs:
                 # each call is a new inference step: its outputs are consumed before the next call
                 # (ComfyUI accumulates them at once), so CUDA-graph trees may reuse their memory
@@ -220,21 +220,21 @@ class CompiledModule(torch.nn.Module):
             hit1, miss1 = _fx_counters()
             self._after_compile(new, dt, hit1 - hit0, miss1 - miss0)
         else:
-            stats.add_seconds(self._nx_label, "compiled_call", dt)
+            counters.add_seconds(self._nx_label, "compiled_call", dt)
         return out
 
     def _after_compile(self, new: int, seconds: float, hits: int, misses: int) -> None:
         label = self._nx_label
         first = self._nx_graphs == new
-        stats.bump(label, "compiles", new)
+        counters.bump(label, "compiles", new)
         recompiles = new - 1 if first else new
         if recompiles:
-            stats.bump(label, "recompiles", recompiles)
-            stats.add_reason(label, "recompile", _last_recompile_reason())
-        stats.bump(label, "cache_hits", hits)
-        stats.bump(label, "cache_misses", misses)
-        stats.add_seconds(label, "compile", seconds)
-        stats.set_info(label, state="compiled")
+            counters.bump(label, "recompiles", recompiles)
+            counters.add_reason(label, "recompile", _last_recompile_reason())
+        counters.bump(label, "cache_hits", hits)
+        counters.bump(label, "cache_misses", misses)
+        counters.add_seconds(label, "compile", seconds)
+        counters.set_info(label, state="compiled")
         log.info(
             "nexfort: %s compiled %d graph(s) in %.1fs (cache hits %d, misses %d)", label, new, seconds, hits, misses
         )
@@ -265,9 +265,9 @@ class CompiledModule(torch.nn.Module):
         if root is not err:
             reason = f"{type(err).__name__}: {reason}"
         self._nx_failed = reason
-        stats.bump(self._nx_label, "fallbacks")
-        stats.add_reason(self._nx_label, "fallback", reason)
-        stats.set_info(self._nx_label, state="fallback")
+        counters.bump(self._nx_label, "fallbacks")
+        counters.add_reason(self._nx_label, "fallback", reason)
+        counters.set_info(self._nx_label, state="fallback")
         log.warning("nexfort: compiling %s failed, running eager instead: %s", self._nx_label, reason, exc_info=err)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -275,7 +275,7 @@ class CompiledModule(torch.nn.Module):
             return self._eager(*args, **kwargs)
         if self._nx_memory_format is not None:
             args, kwargs = shapes.to_memory_format(args, kwargs, self._nx_memory_format)
-        stats.bump(self._nx_label, "calls")
+        counters.bump(self._nx_label, "calls")
         try:
             if self._nx_compiled is None:
                 with _compile_lock:

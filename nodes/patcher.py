@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import nexfort_engine
-from nexfort_engine import stats
+from nexfort_engine import counters
 from nexfort_engine.cache import ENV_CACHE_DIR
 from nexfort_engine.options import CompileConfig
 
@@ -84,11 +84,11 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
             if id(base) not in _warned_lowvram:
                 _warned_lowvram.add(id(base))
                 log.warning("nexfort: %s is partially offloaded (low VRAM): running eager", label)
-                stats.bump(label, "fallbacks")
-                stats.add_reason(label, "fallback", "low-VRAM / partial offload active: ran eager")
+                counters.bump(label, "fallbacks")
+                counters.add_reason(label, "fallback", "low-VRAM / partial offload active: ran eager")
             return executor(*args, **kwargs)
         compiled = _compiled_for(diffusion_model, config, type(diffusion_model).__name__)
-        stats.set_info(compiled.label, node_id=node_id)
+        counters.set_info(compiled.label, node_id=node_id)
         first = compiled._nx_compiled is None and compiled.failed is None
         if first:
             _progress(node_id, "nexfort: compiling (first step)…")
@@ -98,7 +98,7 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
         finally:
             base.diffusion_model = diffusion_model
             if first:
-                rec = stats.snapshot()["models"].get(compiled.label, {})
+                rec = counters.snapshot()["models"].get(compiled.label, {})
                 _progress(node_id, f"nexfort: {rec.get('state', '?')} ({rec.get('compile_seconds', 0):.1f}s)")
 
     m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, nexfort_apply_model)
@@ -123,7 +123,7 @@ class _CompiledVAEModel(torch.nn.Module):
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         cm = _compiled_for(self.inner, self._config, f"{type(self.inner).__name__}.{method}", method=method)
-        stats.set_info(cm.label, node_id=self._node_id)
+        counters.set_info(cm.label, node_id=self._node_id)
         return cm(*args, **kwargs)
 
     def decode(self, *args: Any, **kwargs: Any) -> Any:

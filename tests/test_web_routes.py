@@ -61,7 +61,7 @@ def test_register_routes_without_comfyui_is_a_no_op(routes, monkeypatch):
 
 
 def test_stats_route_serves_engine_counters(routes, monkeypatch):
-    stats = importlib.import_module("nexfort_engine.stats")
+    stats = importlib.import_module("nexfort_engine.counters")
     stats.reset()
     stats.set_info("unet", node_id="7", state="compiled")
     stats.bump("unet", "compiles")
