@@ -9,6 +9,7 @@ export NEXFORT_HOST := $(HOST)
 
 host:
 	@scripts/setup_host.sh
+	@scripts/setup_browser.sh >/dev/null
 
 demo: host
 	$(PY) scripts/demo.py --host $(HOST)
