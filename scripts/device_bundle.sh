@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Prepare what a GPU run of the benchmarks needs on the lent device machine (see BENCHMARKS.md).
+#
+# The device has torch/triton/numpy/transformers/... but no registry access and no ComfyUI. This
+# script makes, in folders ignored by git (listed in .git/info/exclude and .gitignore):
+#   .device/comfyui.tar.gz   the ComfyUI tree from $NEXFORT_HOST (default .host/ComfyUI) without
+#                            tests, API nodes, models, outputs, caches (~7 MB)
+#   .whl/                    cp312 manylinux wheels ComfyUI needs that the device image lacks:
+#                            torchsde, trampoline (torchsde's dependency), av
+# Then a device call carries both: run(carry=[".device", ".whl"],
+#   command='bash scripts/device_run.sh -- "--model sd21 --compiler none" ...').
+#
+# Usage: scripts/device_bundle.sh [--force]
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HOST="${NEXFORT_HOST:-$ROOT/.host/ComfyUI}"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+FORCE=0
+[ "${1:-}" = "--force" ] && FORCE=1
+
+# Wheels pinned to what the host venv runs (ComfyUI 0.3.75 works with these).
+WHEELS=(torchsde==0.2.6 trampoline==0.1.2 av==18.1.0)
+
+cd "$ROOT"
+if [ ! -f "$HOST/comfy/model_management.py" ]; then
+    echo "no ComfyUI tree at $HOST: run 'make host' (scripts/setup_host.sh) or set NEXFORT_HOST" >&2
+    exit 1
+fi
+
+# keep the bundles out of git (and so out of the tree the device call sends, except via carry)
+mkdir -p .git/info
+for d in /.device/ /.whl/; do
+    grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
+done
+mkdir -p .device .whl
+
+# 1. ComfyUI tree
+TAR=.device/comfyui.tar.gz
+if [ "$FORCE" = 1 ] || [ ! -s "$TAR" ] || [ "$HOST/comfyui_version.py" -nt "$TAR" ]; then
+    parent="$(dirname "$HOST")"; name="$(basename "$HOST")"
+    tar -C "$parent" -czf "$TAR.tmp" \
+        --exclude="$name/tests" --exclude="$name/tests-unit" --exclude="$name/comfy_api_nodes" \
+        --exclude="$name/models/*" --exclude="$name/output/*" --exclude="$name/input/*" \
+        --exclude="$name/user/*" --exclude="$name/temp" --exclude="$name/custom_nodes/*" \
+        --exclude="$name/extra_model_paths.yaml" --exclude="__pycache__" --exclude="*.pyc" --exclude=".git" \
+        "$name"
+    mv "$TAR.tmp" "$TAR"
+fi
+echo "ComfyUI tree: $TAR ($(du -h "$TAR" | cut -f1))"
+
+# 2. wheels for the device's Python 3.12 (x86_64 manylinux); one version of each
+for spec in "${WHEELS[@]}"; do
+    pkg="${spec%%==*}"; ver="${spec##*==}"
+    if [ "$FORCE" = 0 ] && ls .whl/ 2>/dev/null | grep -qiE "^${pkg}-${ver}-"; then
+        continue
+    fi
+    rm -f .whl/"${pkg}"-*.whl
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$spec"
+done
+ls -1 .whl
+du -ch .device .whl | tail -1 | sed 's/total/carried in total (limit 64 MiB with the tree)/'
