@@ -195,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{(size or 0) / 1e6:.1f} MB  hits={e.get('hits')}")
     hits, misses = engine.get("cache_hits", 0), engine.get("cache_misses", 0)
     if stats is not None:
-        verdict = "warm (reused the persisted cache)" if hits and not misses else "cold (cache now populated)"
-        say(f"  this run: {verdict}; run `make demo` again to see a warm start")
+        if hits and not misses:
+            say("  this run: warm start (reused the persisted cache, nothing compiled cold)")
+        else:
+            say("  this run: cold compile (cache now populated); run `make demo` again to see a warm start")
     say(f"server log: {log}")
     return 0 if not engine.get("fallbacks") else 1
 
