@@ -229,11 +229,13 @@ def environment(device: Any) -> dict[str, Any]:
     return env
 
 
-def _fp32_affordable(spec: Any, device: Any, dtype: Any, mode: str) -> bool:
+def _fp32_affordable(spec: Any, device: Any, dtype: Any, mode: str, compiler: str) -> bool:
     import torch
 
     if mode == "never":
         return False
+    if mode == "auto" and compiler == "none":
+        return False  # the compiled runs measure eager's error vs float32 as well
     if mode == "always" or device.type != "cuda":
         return True
     total = torch.cuda.get_device_properties(device).total_memory
@@ -334,20 +336,24 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     # float32 eager reference (same weights, upcast), freed before anything is measured
     ref32 = None
-    if not args.warm_child and _fp32_affordable(spec, device, dtype, args.fp32_reference):
+    if not args.warm_child and _fp32_affordable(spec, device, dtype, args.fp32_reference, args.compiler):
         if dtype == torch.float32:
             result["fp32_reference"] = "model already runs in float32"
         else:
             twin = models.build_fp32_twin(spec, device, mp)
             ref32, _ = runner.run(twin, height, width, args.steps)
             del twin
+            import gc
+
             import comfy.model_management as mm
 
             mm.unload_all_models()
+            gc.collect()
             mm.soft_empty_cache()
             result["fp32_reference"] = "eager float32, same weights"
     elif not args.warm_child:
-        result["fp32_reference"] = "skipped (does not fit)" if args.fp32_reference == "auto" else "skipped"
+        result["fp32_reference"] = "skipped" if args.fp32_reference == "never" or args.compiler == "none" else (
+            "skipped (does not fit)")
 
     # eager at the model's dtype: the baseline (compiler none) or the same-seed reference
     eager_latent = None
@@ -397,20 +403,24 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         # the lossless claim: compiled error vs fp32 within 1.5x the eager-at-dtype error vs fp32
         result["lossless"] = bool(e_comp <= 1.5 * e_eager + 1e-6)
 
-    if args.run_multiple_resolutions:
-        result["sweep"] = sweep(args, spec, runner, target, graphs0)
-
-    if args.warm_cache_check:
-        result["warmup_warm_cache_s"], result["warm_child"] = warm_cache_check(args)
+    # the optional stages below may be cut off by a time budget (SIGINT): keep what was measured
+    try:
+        if args.warm_cache_check:
+            result["warmup_warm_cache_s"], result["warm_child"] = warm_cache_check(args)
+        if args.run_multiple_resolutions:
+            result["sweep"] = []
+            sweep(args, spec, runner, target, graphs0, result["sweep"])
+    except KeyboardInterrupt:
+        result["interrupted"] = True
+        print("interrupted: writing the results measured so far", file=sys.stderr, flush=True)
     return result
 
 
-def sweep(args: argparse.Namespace, spec: Any, runner: Runner, target: Any, graphs0: int) -> list[dict]:
+def sweep(args: argparse.Namespace, spec: Any, runner: Runner, target: Any, graphs0: int, rows: list[dict]) -> None:
     """4 resolutions x 2 step counts x 2 prompt lengths; recompiles counted per combination."""
     from benchmarks import metrics
 
     step_counts = (args.steps, max(args.steps // 2, 2))
-    rows = []
     for h, w in spec.sweep_resolutions:
         for steps in step_counts:
             for text_len in spec.sweep_text_lens:
@@ -426,7 +436,6 @@ def sweep(args: argparse.Namespace, spec: Any, runner: Runner, target: Any, grap
                 })
                 print(f"sweep {h}x{w} steps={steps} text={text_len}: first {first['e2e_s']:.2f}s, "
                       f"{again['it_s'] or 0:.2f} it/s, new compiles {rows[-1]['new_compiles']}", flush=True)
-    return rows
 
 
 def warm_cache_check(args: argparse.Namespace) -> tuple[float | None, dict]:
