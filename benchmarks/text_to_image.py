@@ -140,12 +140,6 @@ def apply_compiler(mp: Any, compiler: str, config_json: str) -> Any:
 
     common = importlib.import_module("nexfort_pack.nodes.common")
     patcher = importlib.import_module("nexfort_pack.nodes.patcher")
-    if callable(getattr(patcher, "stats", None)) and not hasattr(patcher.stats, "bump"):
-        # `from nexfort_engine import stats` yields the snapshot *function* (the package re-exports
-        # `stats = snapshot`), not the counters module: point the glue at the module until fixed.
-        print("benchmark: working around nodes/patcher.py importing nexfort_engine.stats (the function)",
-              file=sys.stderr)
-        patcher.stats = sys.modules["nexfort_engine.stats"]
     config = common.build_config("O2", "contiguous", True, config_json)
     return patcher.compile_model_patcher(mp, config, node_id="benchmark")
 
