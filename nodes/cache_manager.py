@@ -108,6 +108,13 @@ class NexfortCacheManager(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, action: str = "refresh") -> bool | str:
+        # ComfyUI 0.3.75 does not check V3 Combo values at queue time: do it here
+        if action not in ACTIONS:
+            return f"nexfort: action {action!r} is not in the list; valid actions: {', '.join(ACTIONS)}"
+        return True
+
+    @classmethod
     def fingerprint_inputs(cls, **kwargs) -> float:
         return time.time()  # always re-run: the cache changes outside the graph
 

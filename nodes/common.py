@@ -92,10 +92,19 @@ def build_config(
     return parse_options(merged)
 
 
-def validate_options(options: str | None) -> bool | str:
-    """Queue-time check of the advanced JSON: True, or the error text ComfyUI shows."""
+def validate_options(options: str | None, mode: str = "O2", memory_format: str = "contiguous") -> bool | str:
+    """Queue-time check of the dropdowns and the advanced JSON: True, or the error text ComfyUI shows.
+
+    ComfyUI 0.3.75 checks V3 ``Combo`` values only at execution (its queue-time check handles V1
+    list-typed combos only), so ``mode`` and ``memory_format`` are checked here too.
+    """
+    if mode not in MODES:
+        return f"nexfort: mode {mode!r} is not in the list; valid modes: {', '.join(repr(m) for m in MODES)}"
+    if memory_format not in MEMORY_FORMATS:
+        return (f"nexfort: memory_format {memory_format!r} is not in the list; valid: "
+                f"{', '.join(repr(m) for m in MEMORY_FORMATS)}")
     try:
-        build_config("O2", "contiguous", True, options or "")
+        build_config(mode, memory_format, True, options or "")
     except OptionsError as e:
         return f"nexfort: {e}"
     return True

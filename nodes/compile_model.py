@@ -24,8 +24,8 @@ class NexfortCompileModel(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, options: str = "") -> bool | str:
-        return validate_options(options)
+    def validate_inputs(cls, mode: str = "O2", memory_format: str = "contiguous", options: str = "") -> bool | str:
+        return validate_options(options, mode, memory_format)
 
     @classmethod
     def execute(cls, model, mode, memory_format, dynamic, fuse_qkv, options) -> io.NodeOutput:

@@ -23,8 +23,8 @@ class NexfortCompileVAE(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, options: str = "") -> bool | str:
-        return validate_options(options)
+    def validate_inputs(cls, mode: str = "O2", memory_format: str = "contiguous", options: str = "") -> bool | str:
+        return validate_options(options, mode, memory_format)
 
     @classmethod
     def execute(cls, vae, mode, memory_format, dynamic, options) -> io.NodeOutput:
