@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     if eager_step and compiled_step:
         say(f"  speed-up                   {eager_step / compiled_step:.2f}x")
     say(f"  compiled first step        {_fmt_s(first_step)}  (includes compiling / loading the cache)")
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        say(f"  note: load average {load:.1f} on {cores} cores while measuring; per-step times are noisy")
     say("prompt wall time (execution_start -> execution_success):")
     say(f"  eager {eager.execution_seconds:.2f} s | compiled first {first.execution_seconds:.2f} s"
         f" | compiled again {again.execution_seconds:.2f} s")
