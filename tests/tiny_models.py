@@ -99,7 +99,7 @@ def _patcher(model: torch.nn.Module, spec: Tiny) -> Any:
 
     model.eval()
     mp = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
-    mp.nexfort_tiny = spec  # helpers read the family's spec from here
+    model.nexfort_tiny = spec  # helpers read the family's spec from here (clones share the model)
     return mp
 
 
@@ -201,7 +201,7 @@ def sample(
     """Denoise an empty latent through ComfyUI's real sampler (``comfy.sample.sample``)."""
     import comfy.sample
 
-    spec: Tiny = mp.nexfort_tiny
+    spec: Tiny = mp.model.nexfort_tiny
     gen = torch.Generator().manual_seed(seed)
     latent = torch.zeros(batch, spec.latent_channels, h // 8, w // 8)
     noise = torch.randn(latent.shape, generator=gen)
@@ -221,7 +221,7 @@ def call_diffusion(
     diffusion_model: Callable[..., Any] | None = None,
 ) -> torch.Tensor:
     """Call the diffusion model (or ``diffusion_model``) directly on random inputs of this shape."""
-    spec: Tiny = mp.nexfort_tiny
+    spec: Tiny = mp.model.nexfort_tiny
     gen = torch.Generator().manual_seed(seed)
     hl, wl = h // 8, w // 8
     x = torch.randn(batch, spec.latent_channels, hl, wl, generator=gen)

@@ -1,0 +1,165 @@
+"""``nodes/patcher.py`` in-process over real ComfyUI objects (tiny SD1.5 UNet, TAESD VAE), backend eager.
+
+The clone is compiled and the original untouched; LoRA-like weight patches reach the compiled
+graph (outputs equal eager's) without a recompile when the strength changes or the patch goes
+away; the compiled VAE decodes/encodes like eager, tiled decode included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models as tm
+import torch
+
+import nexfort_engine
+
+EAGER = {"mode": "O2", "backend": "eager"}
+TOL = 1e-4  # max abs error relative to the output scale (backend eager: same kernels)
+
+
+@pytest.fixture(scope="module")
+def unet(comfy_inproc):
+    return tm.tiny_sd15(seed=3)
+
+
+def _nx_wrappers(mp):
+    from comfy.patcher_extension import WrappersMP
+
+    return mp.wrappers.get(WrappersMP.APPLY_MODEL, {}).get("nexfort", [])
+
+
+def _sample(mp, h=64, w=96, cfg=5.0, steps=3):
+    return tm.sample(mp, h, w, 1, steps, cfg, 77)
+
+
+def test_clone_is_compiled_original_untouched(patcher, unet, fresh_stats):
+    cfg = nexfort_engine.parse_options(EAGER)
+    opts_before = dict(unet.model_options)
+    c = patcher.compile_model_patcher(unet, cfg, node_id="7")
+    assert c is not unet and c.model is unet.model  # a clone sharing the weights
+    assert _nx_wrappers(c) and not _nx_wrappers(unet)
+    assert c.model_options["nexfort_config"]["backend"] == "eager"
+    assert "nexfort_config" not in unet.model_options and unet.model_options.keys() == opts_before.keys()
+    ref = _sample(unet)
+    out = _sample(c)
+    assert tm.rel_err(out, ref) <= TOL
+    # the swap is scoped to the call: the base model keeps its own diffusion model
+    assert not isinstance(unet.model.diffusion_model, nexfort_engine.CompiledModule)
+    s = fresh_stats()
+    assert s["compiles"] >= 1 and s["fallbacks"] == 0
+    [rec] = [r for r in s["models"].values() if r["compiles"]]
+    assert rec["node_ids"] == ["7"] and rec["state"] == "compiled"
+    # compiling a compiled clone again replaces the wrapper instead of nesting it
+    again = patcher.compile_model_patcher(c, cfg)
+    assert len(_nx_wrappers(again)) == 1
+    assert tm.rel_err(_sample(again), ref) <= TOL
+
+
+def _patch_key(mp) -> str:
+    keys = [k for k in mp.model_state_dict() if k.startswith("diffusion_model.") and k.endswith(".weight")]
+    # an attention projection (what LoRAs patch) in the middle block
+    return next(k for k in keys if "middle_block" in k and "attn1.to_q" in k)
+
+
+def _patched(mp, key, delta, strength):
+    m = mp.clone()
+    m.add_patches({key: (delta,)}, strength)
+    return m
+
+
+def _lora_sweep(patcher, unet, fresh_stats, plan):
+    cfg = nexfort_engine.parse_options(EAGER)
+    key = _patch_key(unet)
+    w = unet.model_state_dict()[key]
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(11)) * w.abs().mean() * 4
+    results, compiles = {}, {}
+    for step, strength in enumerate(plan):
+        base = unet.clone() if strength is None else _patched(unet, key, delta, strength)
+        compiled = patcher.compile_model_patcher(base, cfg)
+        out = _sample(compiled)
+        ref = _sample(base)
+        assert tm.rel_err(out, ref) <= TOL, f"step {step} (strength {strength})"
+        results[step] = out
+        compiles[step] = fresh_stats()["compiles"]
+    assert fresh_stats()["fallbacks"] == 0
+    return results, compiles
+
+
+def test_lora_like_weight_patch_equal_eager_no_recompile(patcher, unet, fresh_stats):
+    # unpatched, patched 1.0, patched 0.3, unpatched again, patched 1.0 again
+    results, compiles = _lora_sweep(patcher, unet, fresh_stats, [None, 1.0, 0.3, None, 1.0])
+    # the patch really changed the output, and removing it restored the unpatched result
+    assert tm.rel_err(results[1], results[0]) > 1e-3 and tm.rel_err(results[2], results[1]) > 1e-3
+    scale = results[0].abs().max().item()
+    torch.testing.assert_close(results[3], results[0], rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(results[4], results[1], rtol=1e-5, atol=1e-5 * scale)
+    # after the first patch: other strengths, removal and re-adding never compile again
+    assert compiles[1] == compiles[2] == compiles[3] == compiles[4], compiles
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ComfyUI writes patched weights with comfy.utils.set_attr_param -> Parameter(requires_grad=False); "
+    "the model's own parameters have requires_grad=True, so Dynamo's requires_grad guard fails once "
+    "and the first weight patch recompiles (one extra graph; later strengths reuse it)"))
+def test_first_weight_patch_does_not_recompile(patcher, comfy_inproc, fresh_stats):
+    fresh_unet = tm.tiny_sd15(seed=4)  # its parameters never patched yet
+    _results, compiles = _lora_sweep(patcher, fresh_unet, fresh_stats, [None, 1.0])
+    assert compiles[1] == compiles[0], compiles
+
+
+def test_low_vram_runs_eager_with_one_counted_fallback(patcher, unet, fresh_stats, monkeypatch):
+    cfg = nexfort_engine.parse_options(EAGER)
+    c = patcher.compile_model_patcher(unet, cfg)
+    monkeypatch.setattr(unet.model, "model_lowvram", True, raising=False)
+    monkeypatch.setattr(patcher, "_warned_lowvram", set())
+    ref = _sample(unet)
+    for _ in range(2):
+        assert tm.rel_err(_sample(c), ref) <= TOL
+    s = fresh_stats()
+    assert s["fallbacks"] == 1 and "low-VRAM" in s["fallback_reasons"][0] and s["compiles"] == 0
+
+
+# -- VAE ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vae(comfy_inproc):
+    import comfy.sd
+    import comfy.taesd.taesd
+
+    taesd = comfy.taesd.taesd.TAESD(latent_channels=4)
+    sd = {k: v.clone() for k, v in tm.init_weights(taesd, seed=5).state_dict().items()}
+    v = comfy.sd.VAE(sd=sd)
+    tm.init_weights(v.first_stage_model, seed=5)
+    return v
+
+
+def test_compile_vae_decode_encode_equal_eager(patcher, vae, fresh_stats):
+    cfg = nexfort_engine.parse_options(EAGER)
+    cv = patcher.compile_vae(vae, cfg, node_id="9")
+    assert cv is not vae and vae.first_stage_model is not cv.first_stage_model
+    assert not isinstance(vae.first_stage_model, patcher._CompiledVAEModel)
+    gen = torch.Generator().manual_seed(0)
+    for h, w in [(8, 8), (8, 12), (12, 8)]:
+        lat = torch.randn(1, 4, h, w, generator=gen)
+        ref = vae.decode(lat)
+        out = cv.decode(lat)
+        assert out.shape == ref.shape and tm.rel_err(out, ref) <= TOL
+        img = ref.clamp(0, 1)
+        assert tm.rel_err(cv.encode(img), vae.encode(img)) <= TOL
+    s = fresh_stats()
+    labels = {k.split(":")[0] for k, r in s["models"].items() if r["compiles"]}
+    assert labels == {"TAESD.decode", "TAESD.encode"} and s["fallbacks"] == 0
+    assert s["recompiles"] <= 2  # at most one per method over 3 sizes
+    # compiling a compiled VAE again wraps the original model, not the proxy
+    assert patcher.compile_vae(cv, cfg).first_stage_model.inner is vae.first_stage_model
+
+
+def test_compiled_vae_tiled_decode(patcher, vae, fresh_stats):
+    cfg = nexfort_engine.parse_options(EAGER)
+    cv = patcher.compile_vae(vae, cfg)
+    lat = torch.randn(1, 4, 24, 20, generator=torch.Generator().manual_seed(1))
+    ref = vae.decode_tiled(lat, tile_x=8, tile_y=8, overlap=2)
+    out = cv.decode_tiled(lat, tile_x=8, tile_y=8, overlap=2)
+    assert out.shape == ref.shape and tm.rel_err(out, ref) <= TOL
+    s = fresh_stats()
+    assert s["fallbacks"] == 0 and any(k.startswith("TAESD.decode") and r["compiles"] for k, r in s["models"].items())
