@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import comfy_server  # noqa: E402
 import tiny_checkpoint  # noqa: E402
+import tiny_lora  # noqa: E402
 
 
 def _host_dir() -> Path:
@@ -57,6 +58,14 @@ def comfy_base(tmp_path_factory, tiny_ckpt) -> Path:
     """An isolated ComfyUI base directory with the pack and the tiny checkpoint linked in."""
     pack = os.environ.get("NEXFORT_TEST_PACK") or REPO
     return comfy_server.make_base_dir(tmp_path_factory.mktemp("comfy_base"), [tiny_ckpt], pack=pack)
+
+
+@pytest.fixture(scope="session")
+def workflow_assets(comfy_base, tiny_ckpt) -> dict[str, Path]:
+    """Every model file the shipped ``workflows/api`` graphs refer to, placed in the shared base dir
+    (the checkpoint is already linked; the tiny LoRA is written next to it, without ComfyUI)."""
+    lora = tiny_lora.ensure_tiny_lora(tiny_ckpt, comfy_base / "models" / "loras" / tiny_lora.LORA_NAME)
+    return {"checkpoints": tiny_ckpt, "loras": lora}
 
 
 @pytest.fixture(scope="session")

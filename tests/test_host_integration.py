@@ -88,7 +88,7 @@ def test_stats_route_answers(comfy):
 
 
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=[w.stem for w in WORKFLOWS])
-def test_api_workflow_produces_image(comfy, workflow):
+def test_api_workflow_produces_image(comfy, workflow_assets, workflow):
     before = _engine(comfy) if _uses_nexfort(workflow) else None
     _run(comfy, workflow)
     if before is not None:
