@@ -2,8 +2,9 @@
 server, read back images and latents, compare compiled with eager, read counters and RSS.
 
 Every comparison is compiled vs eager on the same server with the same seed. The tolerances are
-stated once, here (``LATENT_ATOL``/``PIXEL_ATOL``), and were set from what this CPU measures
-(compiled vs eager latents differ by ~1e-6, images by at most 1/255) with a wide margin.
+stated once, here (``LATENT_ATOL``/``PIXEL_ATOL``), set from what this 2-core CPU measured (compiled
+vs eager latents, values of order 1, differed by at most 7e-4; 8-bit images by at most 1) with a
+margin; a stale or missing LoRA changes the latents by far more (``assert_differs`` guards that).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ LORA_WORKFLOW = REPO / "workflows" / "api" / "txt2img_lora.json"
 SECOND_SEED = 20261123
 SECOND_CKPT = "nexfort-tiny-sd15-seed2.safetensors"
 #: compiled vs eager: max |latent difference| and max |pixel difference| (0..255) allowed
-LATENT_ATOL = 2e-3
+LATENT_ATOL = 5e-3
 PIXEL_ATOL = 3
 _seeds = itertools.count(71_000)
 
