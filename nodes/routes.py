@@ -65,8 +65,16 @@ def cache_listing() -> list[dict[str, Any]]:
 
 
 def collect_stats() -> dict[str, Any]:
-    """The body of ``GET /nexfort/stats``: ``{"engine": {...}, "cache": [...], "errors": [...]}``."""
+    """The body of ``GET /nexfort/stats``:
+    ``{"engine": {...}, "cache": [...], "cache_dir": str | None, "errors": [...]}``."""
     errors: list[str] = []
+    try:
+        from .patcher import cache_root
+
+        cache_dir: str | None = cache_root()
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"cache_dir: {type(e).__name__}: {e}")
+        cache_dir = None
     try:
         engine = engine_stats()
     except Exception as e:  # noqa: BLE001 - the route must answer whatever the engine does
@@ -79,7 +87,7 @@ def collect_stats() -> dict[str, Any]:
         logger.debug("nexfort stats: cache listing unavailable", exc_info=True)
         errors.append(f"cache: {type(e).__name__}: {e}")
         cache = []
-    return {"engine": engine, "cache": cache, "errors": errors}
+    return {"engine": engine, "cache": cache, "cache_dir": cache_dir, "errors": errors}
 
 
 async def get_stats(request) -> Any:

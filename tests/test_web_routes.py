@@ -60,7 +60,8 @@ def test_register_routes_without_comfyui_is_a_no_op(routes, monkeypatch):
     assert routes.register_routes() is False
 
 
-def test_stats_route_serves_engine_counters(routes, monkeypatch):
+def test_stats_route_serves_engine_counters(routes, monkeypatch, tmp_path):
+    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(tmp_path))
     stats = importlib.import_module("nexfort_engine.counters")
     stats.reset()
     stats.set_info("unet", node_id="7", state="compiled")
@@ -76,6 +77,7 @@ def test_stats_route_serves_engine_counters(routes, monkeypatch):
         stats.reset()
     assert status == 200
     assert body["errors"] == []
+    assert body["cache_dir"] == str(tmp_path)
     assert ENGINE_KEYS <= set(body["engine"])
     assert body["engine"]["compiles"] == 1 and body["engine"]["cache_hits"] == 2
     unet = body["engine"]["models"]["unet"]
@@ -83,7 +85,8 @@ def test_stats_route_serves_engine_counters(routes, monkeypatch):
     assert body["cache"] == listing
 
 
-def test_stats_route_answers_when_engine_and_cache_fail(routes, monkeypatch):
+def test_stats_route_answers_when_engine_and_cache_fail(routes, monkeypatch, tmp_path):
+    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(tmp_path))
     def boom():
         raise ImportError("no engine here")
 
