@@ -66,7 +66,9 @@ def init_weights(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Random finite weights, scaled so activations stay O(1) through a few blocks."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in module.named_parameters():
-        if p.dim() == 1:
+        if p.dim() == 0:
+            p.data.fill_(1.0)
+        elif p.dim() == 1:
             p.data.fill_(1.0 if ("norm" in name or name.endswith("scale")) else 0.0)
             if "bias" in name:
                 p.data.normal_(0.0, 0.02, generator=gen)

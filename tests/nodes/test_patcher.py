@@ -56,9 +56,9 @@ def test_clone_is_compiled_original_untouched(patcher, unet, fresh_stats):
 
 
 def _patch_key(mp) -> str:
-    keys = [k for k in mp.model_state_dict() if k.startswith("diffusion_model.") and k.endswith(".weight")]
-    # an attention projection (what LoRAs patch) in the middle block
-    return next(k for k in keys if "middle_block" in k and "attn1.to_q" in k)
+    # the output conv: a weight whose patch visibly changes the result of this tiny random model
+    # (a middle-block attention projection does not, at these sizes)
+    return "diffusion_model.out.2.weight"
 
 
 def _patched(mp, key, delta, strength):
@@ -105,18 +105,6 @@ def test_first_weight_patch_does_not_recompile(patcher, comfy_inproc, fresh_stat
     fresh_unet = tm.tiny_sd15(seed=4)  # its parameters never patched yet
     _results, compiles = _lora_sweep(patcher, fresh_unet, fresh_stats, [None, 1.0])
     assert compiles[1] == compiles[0], compiles
-
-
-def test_low_vram_runs_eager_with_one_counted_fallback(patcher, unet, fresh_stats, monkeypatch):
-    cfg = nexfort_engine.parse_options(EAGER)
-    c = patcher.compile_model_patcher(unet, cfg)
-    monkeypatch.setattr(unet.model, "model_lowvram", True, raising=False)
-    monkeypatch.setattr(patcher, "_warned_lowvram", set())
-    ref = _sample(unet)
-    for _ in range(2):
-        assert tm.rel_err(_sample(c), ref) <= TOL
-    s = fresh_stats()
-    assert s["fallbacks"] == 1 and "low-VRAM" in s["fallback_reasons"][0] and s["compiles"] == 0
 
 
 # -- VAE ----------------------------------------------------------------------------------------
