@@ -12,7 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from reliability_helpers import REPO, SECOND_CKPT, SECOND_SEED, comfy_server, tiny_checkpoint, tiny_lora
+import tiny_checkpoint
+import tiny_lora
+from reliability_helpers import REPO, SECOND_CKPT, SECOND_SEED, comfy_server
 
 
 # -- fixtures ------------------------------------------------------------------------------------

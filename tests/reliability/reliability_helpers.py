@@ -13,21 +13,17 @@ import hashlib
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO / "scripts") not in sys.path:
     sys.path.insert(0, str(REPO / "scripts"))
 
 import comfy_server  # noqa: E402
-import tiny_checkpoint  # noqa: E402
-import tiny_lora  # noqa: E402
 
 LORA_WORKFLOW = REPO / "workflows" / "api" / "txt2img_lora.json"
 SECOND_SEED = 20261123
