@@ -175,7 +175,7 @@ class CompiledModule(torch.nn.Module):
         self._nx_compiled = torch.compile(
             target,
             backend=self._backend,
-            dynamic=True if self._nx_config.dynamic else None,
+            dynamic=None if self._nx_config.dynamic else False,
             fullgraph=self._nx_config.fullgraph,
         )
 
@@ -185,7 +185,7 @@ class CompiledModule(torch.nn.Module):
         with contextlib.ExitStack() as stack:
             if self._nx_entry is not None:
                 stack.enter_context(self._nx_entry.activate())
-            stack.enter_context(shapes.shape_policy(self._nx_config.dynamic))
+            stack.enter_context(shapes.shape_policy(self._nx_config.dynamic, self._nx_config.size_oblivious))
             stack.enter_context(runtime_overrides(self._nx_settings.runtime))
             yield
 
@@ -209,6 +209,8 @@ class CompiledModule(torch.nn.Module):
         with self._scope():
             if graphs0 == 0:
                 counters.set_info(self._nx_label, state="compiling")
+            if self._nx_config.dynamic:  # marks are read only when Dynamo (re)compiles
+                shapes.mark_dynamic_dims(args, kwargs)
             if self._nx_cudagraphs:
                 # each call is a new inference step: its outputs are consumed before the next call
                 # (ComfyUI accumulates them at once), so CUDA-graph trees may reuse their memory

@@ -70,6 +70,7 @@ TOP_LEVEL_KEYS = (
     "fuse_qkv_projections",
     "options",
     "backend",
+    "size_oblivious",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -91,6 +92,8 @@ class CompileConfig:
     fullgraph: bool = False
     fuse_qkv_projections: bool = False
     backend: str = "inductor"
+    #: reason about sizes 0/1 obliviously so batch 1 and batch 2 share one graph (shapes.py)
+    size_oblivious: bool = True
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -223,6 +226,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         fullgraph=_as_bool("fullgraph", options.get("fullgraph", False)),
         fuse_qkv_projections=_as_bool("fuse_qkv_projections", options.get("fuse_qkv_projections", False)),
         backend=backend,
+        size_oblivious=_as_bool("size_oblivious", options.get("size_oblivious", True)),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

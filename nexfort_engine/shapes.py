@@ -7,7 +7,13 @@ Plain ``torch.compile(dynamic=True)`` recompiles a diffusion backbone on a typic
   count recompiles;
 * sizes 0 and 1 are specialised: batch 1 (cfg 1) and batch 2 (cfg > 1) are two graphs.
 
-We switch off duck sizing (``use_duck_shape=False``) and compile with *backed size-oblivious*
+Only the dimensions that vary between prompts are made symbolic (:func:`mark_dynamic_dims`):
+batch, spatial/temporal and sequence dimensions; channel and feature dimensions stay static, so
+Inductor's index arithmetic stays small (fully symbolic graphs made GPU compiles 5x slower).
+Anything else that changes later becomes dynamic through Dynamo's automatic-dynamic mechanism
+(one recompile, counted with its reason).
+
+We also switch off duck sizing (``use_duck_shape=False``) and compile with *backed size-oblivious*
 semantics (``backed_size_oblivious=True``): a backed size is reasoned about as if it could be any
 value >= 2, so a size that happens to be 1 does not specialise the graph. Both are scoped
 config patches entered around each compiled call, never process-wide assignments. Floats (sigma,
@@ -34,24 +40,63 @@ def _existing(cfg: Any, patches: dict[str, Any]) -> dict[str, Any]:
 def dynamo_patches(dynamic: bool) -> dict[str, Any]:
     p: dict[str, Any] = {"specialize_float": False, "cache_size_limit": 64}
     if dynamic:
-        p.update(assume_static_by_default=False, automatic_dynamic_shapes=True)
+        p.update(automatic_dynamic_shapes=True)
     return p
 
 
-def fx_patches(dynamic: bool) -> dict[str, Any]:
-    return {"use_duck_shape": False, "backed_size_oblivious": True} if dynamic else {}
+def fx_patches(dynamic: bool, size_oblivious: bool = True) -> dict[str, Any]:
+    return {"use_duck_shape": False, "backed_size_oblivious": size_oblivious} if dynamic else {}
 
 
 @contextlib.contextmanager
-def shape_policy(dynamic: bool) -> Iterator[None]:
+def shape_policy(dynamic: bool, size_oblivious: bool = True) -> Iterator[None]:
     """Enter the dynamic-shape policy for one compiled call."""
     import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as fx_config
 
     with dynamo_config.patch(**_existing(dynamo_config, dynamo_patches(dynamic))), fx_config.patch(
-        **_existing(fx_config, fx_patches(dynamic))
+        **_existing(fx_config, fx_patches(dynamic, size_oblivious))
     ):
         yield
+
+
+def varying_dims(t: torch.Tensor) -> tuple[int, ...]:
+    """Dimensions expected to vary between prompts.
+
+    ``[B, C, *spatial]`` (images, video latents): batch and spatial/temporal dims, not channels.
+    ``[B, L, D]`` / ``[B, D]`` (text context, pooled vectors, tokens): all but the feature dim.
+    ``[N]`` (timesteps, sigmas, guidance): the length.
+    """
+    n = t.dim()
+    if n == 0:
+        return ()
+    if n == 1:
+        return (0,)
+    if n >= 4:
+        return (0, *range(2, n))
+    return tuple(range(n - 1))
+
+
+def mark_dynamic_dims(args: tuple, kwargs: dict) -> None:
+    """Mark the varying dims of every floating/int tensor input (also inside dicts/lists) dynamic."""
+
+    def visit(v: Any, depth: int = 0) -> None:
+        if isinstance(v, torch.Tensor):
+            if not isinstance(v, torch.nn.Parameter):
+                dims = varying_dims(v)
+                if dims:
+                    torch._dynamo.maybe_mark_dynamic(v, list(dims))
+        elif depth < 3 and isinstance(v, dict):
+            for x in v.values():
+                visit(x, depth + 1)
+        elif depth < 3 and isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x, depth + 1)
+
+    for a in args:
+        visit(a)
+    for a in kwargs.values():
+        visit(a)
 
 
 def to_memory_format(args: tuple, kwargs: dict, memory_format: torch.memory_format) -> tuple[tuple, dict]:
