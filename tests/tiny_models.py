@@ -230,7 +230,9 @@ def call_diffusion(
     t = torch.rand(batch, generator=gen) * (999 if spec.name != "flux" else 1.0)
     ctx = torch.randn(batch, ctx_len, spec.context_dim, generator=gen)
     fn = diffusion_model if diffusion_model is not None else mp.model.diffusion_model
-    return fn(x, t, ctx, **spec.call_extra(batch, hl, wl))
+    # a fresh transformer_options each call: ComfyUI's models write into it (and their default
+    # argument is a shared mutable {}), which would otherwise change Dynamo's guards between calls
+    return fn(x, t, ctx, transformer_options={}, **spec.call_extra(batch, hl, wl))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

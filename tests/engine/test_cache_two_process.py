@@ -84,7 +84,8 @@ def test_second_process_hits(child, tmp_path):
     second = _finish(_start(child, cache, tmp_path, "b"))
     assert second["entry"] == first["entry"]
     assert second["cache_hits"] > 0 and second["cache_misses"] == 0, second
-    assert second["recompiles"] == 0 and second["corrupt_entries"] == 0
+    # same graphs as the first run (batch 1 -> 2 recompiles with Inductor: see test_compile_inductor)
+    assert second["compiles"] == first["compiles"] and second["corrupt_entries"] == 0
 
 
 def test_two_processes_compile_into_one_empty_dir_at_once(child, tmp_path):
