@@ -79,16 +79,16 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
         diffusion_model = base.diffusion_model
         if isinstance(diffusion_model, nexfort_engine.CompiledModule):  # nested wrappers
             return executor(*args, **kwargs)
-        if getattr(base, "model_lowvram", False):
-            label = type(diffusion_model).__name__
-            if id(base) not in _warned_lowvram:
-                _warned_lowvram.add(id(base))
-                log.warning("nexfort: %s is partially offloaded (low VRAM): running eager", label)
-                counters.bump(label, "fallbacks")
-                counters.add_reason(label, "fallback", "low-VRAM / partial offload active: ran eager")
-            return executor(*args, **kwargs)
         compiled = _compiled_for(diffusion_model, config, type(diffusion_model).__name__)
         counters.set_info(compiled.label, node_id=node_id)
+        if getattr(base, "model_lowvram", False):
+            if id(base) not in _warned_lowvram:
+                _warned_lowvram.add(id(base))
+                log.warning("nexfort: %s is partially offloaded (low VRAM): running eager", compiled.label)
+                counters.bump(compiled.label, "fallbacks")
+                counters.add_reason(compiled.label, "fallback", "low-VRAM / partial offload active: ran eager")
+                counters.set_info(compiled.label, state="fallback")
+            return executor(*args, **kwargs)
         first = compiled._nx_compiled is None and compiled.failed is None
         if first:
             _progress(node_id, "nexfort: compiling (first step)…")
