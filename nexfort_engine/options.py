@@ -92,8 +92,9 @@ class CompileConfig:
     fullgraph: bool = False
     fuse_qkv_projections: bool = False
     backend: str = "inductor"
-    #: reason about sizes 0/1 obliviously so batch 1 and batch 2 share one graph (shapes.py)
-    size_oblivious: bool = True
+    #: reason about sizes 0/1 obliviously so batch 1 and batch 2 share one graph (shapes.py).
+    #: Off by default: Inductor produced NaN for a DiT at batch 1 from a batch-2 graph with it on.
+    size_oblivious: bool = False
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -226,7 +227,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         fullgraph=_as_bool("fullgraph", options.get("fullgraph", False)),
         fuse_qkv_projections=_as_bool("fuse_qkv_projections", options.get("fuse_qkv_projections", False)),
         backend=backend,
-        size_oblivious=_as_bool("size_oblivious", options.get("size_oblivious", True)),
+        size_oblivious=_as_bool("size_oblivious", options.get("size_oblivious", False)),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

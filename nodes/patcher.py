@@ -53,6 +53,12 @@ def _compiled_for(module: torch.nn.Module, config: CompileConfig, label: str, me
     key = f"{config.digest()}.{method}"
     cm = per_module.get(key)
     if cm is None:
+        # ComfyUI writes weight patches (LoRA) as Parameter(requires_grad=False); loaded weights
+        # have requires_grad=True. Align them once (inference only) so the first patch does not
+        # fail Dynamo's requires_grad guard and recompile.
+        for p in module.parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)
         cm = nexfort_engine.compile(module, config, cache_dir=cache_root(), label=label, method=method)
         per_module[key] = cm
     return cm

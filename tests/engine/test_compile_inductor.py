@@ -46,24 +46,22 @@ def test_compiled_matches_eager_and_second_shape_does_not_recompile(zoo, nx_cach
     assert cm.cache_entry is not None and (cm.cache_entry.path / "manifest.json").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: with Inductor, batch 2 -> batch 1 recompiles: the conv fake impl guards "
-    "2 <= x.size()[0] <= 15 despite backed_size_oblivious (backend eager does not see it)"))
-def test_batch_change_does_not_recompile(zoo, nx_cache, fresh_stats):
-    """The O2 UNet from above (a cache hit now): cfg 5 (batch 2) then cfg 1 (batch 1)."""
+def test_batch_change_compiles_at_most_one_more_graph(zoo, nx_cache, fresh_stats):
+    """The O2 UNet from above (a cache hit now): cfg 5 (batch 2) then cfg 1 (batch 1).
+
+    Batch 1 is specialised by default (size_oblivious off): at most one more graph, never wrong."""
     mp = zoo["sd15"]
     cm = nexfort_engine.compile(mp.model.diffusion_model, {"mode": "O2"}, cache_dir=nx_cache)
-    for batch in (2, 1):
+    for batch in (2, 1, 2, 1):
         out = tm.call_diffusion(mp, 64, 64, batch, 77, diffusion_model=cm)
         assert tm.rel_err(out, tm.call_diffusion(mp, 64, 64, batch, 77)) <= FP32_TOL
     rec = fresh_stats()["models"][cm.label]
-    assert rec["recompiles"] == 0, rec["recompile_reasons"]
+    assert rec["compiles"] <= 2 and rec["recompiles"] <= 1, rec["recompile_reasons"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: PixArt compiled with Inductor (O2) at batch 2 then called at batch 1 hits no guard "
-    "(backed_size_oblivious) and returns NaN where eager is finite: a silently wrong result"))
-def test_pixart_batch_one_after_batch_two(zoo, nx_cache, fresh_stats):
+def test_pixart_batch_one_after_batch_two_is_correct(zoo, nx_cache, fresh_stats):
+    """With size_oblivious on, Inductor returned NaN here (batch-1 call of a batch-2 graph); the
+    default policy specialises batch 1 and must match eager."""
     mp = zoo["pixart"]
     cm = nexfort_engine.compile(mp.model.diffusion_model, {"mode": "O2"}, cache_dir=nx_cache)
     (h, w) = tm.RESOLUTIONS["pixart"][1]

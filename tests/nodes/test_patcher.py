@@ -97,10 +97,6 @@ def test_lora_like_weight_patch_equal_eager_no_recompile(patcher, unet, fresh_st
     assert compiles[1] == compiles[2] == compiles[3] == compiles[4], compiles
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ComfyUI writes patched weights with comfy.utils.set_attr_param -> Parameter(requires_grad=False); "
-    "the model's own parameters have requires_grad=True, so Dynamo's requires_grad guard fails once "
-    "and the first weight patch recompiles (one extra graph; later strengths reuse it)"))
 def test_first_weight_patch_does_not_recompile(patcher, comfy_inproc, fresh_stats):
     fresh_unet = tm.tiny_sd15(seed=4)  # its parameters never patched yet
     _results, compiles = _lora_sweep(patcher, fresh_unet, fresh_stats, [None, 1.0])
