@@ -165,7 +165,7 @@ class CompiledModule(torch.nn.Module):
         if self._nx_store is not None:
             self._nx_env = environment_fingerprint(device)
             structure = f"{structure_digest(self._orig_mod)}.{self._nx_method}"
-            key = entry_key(structure, self._nx_config.digest(), self._nx_env)
+            key = entry_key(structure, self._nx_settings.digest(self._nx_config), self._nx_env)
             self._nx_entry = self._nx_store.entry(key)
             old_label = self._nx_label
             self._nx_label = f"{self._nx_name}:{key[:8]}"

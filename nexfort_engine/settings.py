@@ -17,6 +17,8 @@ GPU-only flags on a machine without CUDA are dropped with a single logged warnin
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -104,6 +106,17 @@ class Settings:
     inductor: dict[str, Any] = field(default_factory=dict)
     runtime: dict[str, bool] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
+
+    def digest(self, config: CompileConfig) -> str:
+        """Hash of what actually shapes the compiled artifacts on this machine (cache keys):
+        the effective settings, not the flags as written, so e.g. O2 and O3 on a CPU share an
+        entry (their GPU-only flags are dropped there)."""
+        d = config.to_dict()
+        for k in ("flags", "overrides", "mode"):
+            d.pop(k, None)
+        d.update(inductor=self.inductor, runtime=self.runtime)
+        blob = json.dumps(d, sort_keys=True, default=repr).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def cuda_available() -> bool:
