@@ -182,6 +182,23 @@ def _validate_override(key: str, value: Any) -> None:
             raise OptionsError(f"option {key!r} must be a string, got {value!r}")
 
 
+def load_json(text: str) -> dict[str, Any]:
+    """The options JSON string -> dict ("" -> {}); OptionsError with line/column otherwise."""
+    text = (text or "").strip()
+    if not text:
+        return {}
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionsError(
+            f"options is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+            'expected e.g. {"mode": "O2", "memory_format": "channels_last"}'
+        ) from e
+    if not isinstance(obj, dict):
+        raise OptionsError(f"options must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None) -> CompileConfig:
     """Parse the seeds' options (dict or JSON string) into a validated :class:`CompileConfig`."""
     if isinstance(options, CompileConfig):
@@ -189,17 +206,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
     if options is None:
         options = {}
     if isinstance(options, str):
-        text = options.strip()
-        if not text:
-            options = {}
-        else:
-            try:
-                options = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise OptionsError(
-                    f"options is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                    'expected e.g. {"mode": "O2", "memory_format": "channels_last"}'
-                ) from e
+        options = load_json(options)
     if not isinstance(options, Mapping):
         raise OptionsError(f"options must be a JSON object / dict, got {type(options).__name__}")
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from comfy_api.latest import io
 
-from nexfort_engine.options import MEMORY_FORMATS, CompileConfig, OptionsError, parse_options
+from nexfort_engine.options import MEMORY_FORMATS, CompileConfig, OptionsError, load_json, parse_options
 
 #: The mode dropdown: the seeds' presets and flag combinations.
 MODES = [
@@ -77,18 +76,7 @@ def build_config(
         "dynamic": dynamic,
         "fuse_qkv_projections": fuse_qkv,
     }
-    text = (options or "").strip()
-    if text:
-        try:
-            extra = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise OptionsError(
-                f"options is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                'expected e.g. {"mode": "O3", "memory_format": "channels_last"}'
-            ) from e
-        if not isinstance(extra, dict):
-            raise OptionsError(f"options must be a JSON object, got {type(extra).__name__}")
-        merged.update(extra)
+    merged.update(load_json(options))
     return parse_options(merged)
 
 
