@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import weakref
 from typing import Any
 
 import torch
@@ -31,10 +30,11 @@ from nexfort_engine.options import CompileConfig
 log = logging.getLogger(__name__)
 
 WRAPPER_KEY = "nexfort"
-# diffusion/VAE module -> {config digest: CompiledModule}
-_compiled: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, nexfort_engine.CompiledModule]] = (
-    weakref.WeakKeyDictionary()
-)
+#: attribute (in the module's plain __dict__, not a registered submodule) holding
+#: {config digest.method: CompiledModule}. The compiled module refers back to its module, so a
+#: weak map keyed by the module would never let go of it; this reference cycle is collected
+#: with the module when ComfyUI drops a checkpoint.
+_ATTR = "_nexfort_compiled"
 _warned_lowvram: set[int] = set()
 
 
@@ -49,7 +49,10 @@ def cache_root() -> str:
 
 
 def _compiled_for(module: torch.nn.Module, config: CompileConfig, label: str, method: str = "forward"):
-    per_module = _compiled.setdefault(module, {})
+    per_module = module.__dict__.get(_ATTR)
+    if per_module is None:
+        per_module = {}
+        object.__setattr__(module, _ATTR, per_module)
     key = f"{config.digest()}.{method}"
     cm = per_module.get(key)
     if cm is None:
