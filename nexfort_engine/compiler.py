@@ -199,9 +199,9 @@ class CompiledModule(torch.nn.Module):
                 if state == "corrupt":
                     counters.bump(self._nx_label, "corrupt_entries")
                 log.info("nexfort: cache entry %s: %s", entry.key, state)
-            return self._call_compiled(args, kwargs, first=True)
+            return self._call_compiled(args, kwargs)
 
-    def _call_compiled(self, args: tuple, kwargs: dict, first: bool = False) -> Any:
+    def _call_compiled(self, args: tuple, kwargs: dict) -> Any:
         assert self._nx_compiled is not None
         graphs0 = self._nx_graphs
         hit0, miss0 = _fx_counters()
