@@ -84,9 +84,11 @@ def mark_dynamic_dims(args: tuple, kwargs: dict) -> None:
     def visit(v: Any, depth: int = 0) -> None:
         if isinstance(v, torch.Tensor):
             if not isinstance(v, torch.nn.Parameter):
-                dims = varying_dims(v)
-                if dims:
-                    torch._dynamo.maybe_mark_dynamic(v, list(dims))
+                # a view's base is traced too (its strides feed the view's): mark both
+                for t in (v, v._base) if v._base is not None else (v,):
+                    dims = varying_dims(t)
+                    if dims:
+                        torch._dynamo.maybe_mark_dynamic(t, list(dims))
         elif depth < 3 and isinstance(v, dict):
             for x in v.values():
                 visit(x, depth + 1)
