@@ -42,6 +42,18 @@ def comfy_host() -> Path:
 
 
 @pytest.fixture(scope="session")
+def comfy_inproc():
+    """ComfyUI imported in this process (--cpu, SDPA attention, grad off), for in-process tests."""
+    import tiny_models
+
+    host = tiny_models.host_dir()
+    if not (host / "comfy").is_dir():
+        pytest.skip(f"no ComfyUI host at {host}: run `make host` (scripts/setup_host.sh)")
+    tiny_models.boot()
+    return host
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt(comfy_host) -> Path:
     """The embedded default model, built once (in a subprocess, so ComfyUI stays out of pytest)."""
     path = tiny_checkpoint.default_path(comfy_host)

@@ -38,16 +38,6 @@ def fresh_stats():
 
 
 @pytest.fixture(scope="session")
-def comfy_inproc():
-    """ComfyUI imported in this process (--cpu, SDPA attention, grad off)."""
-    host = tiny_models.host_dir()
-    if not (host / "comfy").is_dir():
-        pytest.skip(f"no ComfyUI host at {host}: run `make host` (scripts/setup_host.sh)")
-    tiny_models.boot()
-    return host
-
-
-@pytest.fixture(scope="session")
 def zoo(comfy_inproc):
     """name -> tiny ModelPatcher, built once per session (tests must not mutate them)."""
     return {name: build() for name, build in tiny_models.FAMILIES.items()}

@@ -18,18 +18,8 @@ REPO = TESTS.parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
-import tiny_models  # noqa: E402
 
 import nexfort_engine  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def comfy_inproc():
-    host = tiny_models.host_dir()
-    if not (host / "comfy").is_dir():
-        pytest.skip(f"no ComfyUI host at {host}: run `make host` (scripts/setup_host.sh)")
-    tiny_models.boot()
-    return host
 
 
 @pytest.fixture(scope="session")
