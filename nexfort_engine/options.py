@@ -101,9 +101,6 @@ class CompileConfig:
     #: the mode string as the user wrote it (for display only; not part of the identity)
     mode: str = field(default="O2", compare=False)
 
-    def has(self, flag: str) -> bool:
-        return flag in self.flags
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["overrides"] = dict(self.overrides)

@@ -179,11 +179,16 @@ def build_state_dict():
 
 def write_checkpoint(path: str | os.PathLike) -> Path:
     """Build and write the checkpoint atomically (temp file in the same dir, then rename)."""
+    sd, metadata = build_state_dict()
+    return save_safetensors_atomic(sd, metadata, path)
+
+
+def save_safetensors_atomic(sd: dict, metadata: dict, path: str | os.PathLike) -> Path:
+    """Write a safetensors file so readers see the old file or the whole new one (temp + rename)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    sd, metadata = build_state_dict()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(sd, str(tmp), metadata=metadata)

@@ -28,6 +28,8 @@ import os
 import sys
 from pathlib import Path
 
+from tiny_checkpoint import save_safetensors_atomic  # scripts/ is on sys.path (run or imported)
+
 LORA_NAME = "nexfort-tiny-sd15-lora.safetensors"
 FORMAT_VERSION = "1"
 METADATA_KEY = "nexfort.tiny_lora"
@@ -98,21 +100,11 @@ def is_valid(path: str | os.PathLike, seed: int | None = None) -> bool:
 def ensure_tiny_lora(checkpoint: str | os.PathLike, output: str | os.PathLike | None = None, *, rank: int = 4,
                      seed: int = 7, scale: float = 0.5, force: bool = False) -> Path:
     """Write the LoRA atomically (temp file + rename) unless a valid one with ``seed`` is there."""
-    from safetensors.torch import save_file
-
     path = Path(output) if output else default_path(checkpoint)
     if not force and is_valid(path, seed):
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     sd, metadata = build_lora(checkpoint, rank=rank, seed=seed, scale=scale)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(sd, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return save_safetensors_atomic(sd, metadata, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -235,6 +235,24 @@ def call_diffusion(
     return fn(x, t, ctx, transformer_options={}, **spec.call_extra(batch, hl, wl))
 
 
+def with_diffusion_model(mp: Any, fn: Callable[..., Any]) -> Any:
+    """A clone of ``mp`` whose diffusion model is replaced by ``fn`` for each apply_model call."""
+    from comfy.patcher_extension import WrappersMP
+
+    def wrapper(executor, *args, **kwargs):
+        base = executor.class_obj
+        orig = base.diffusion_model
+        base.diffusion_model = fn
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            base.diffusion_model = orig
+
+    m = mp.clone()
+    m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, "test", wrapper)
+    return m
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to the output scale (max |b|, at least 1e-6)."""
     a, b = a.float(), b.float()

@@ -74,21 +74,9 @@ def test_pixart_batch_one_after_batch_two_is_correct(zoo, nx_cache, fresh_stats)
 
 def test_sampler_through_compiled_unet(zoo, nx_cache, fresh_stats):
     """The O2 UNet from above (a cache hit now) inside ComfyUI's sampler, cfg 5, 3 steps."""
-    from comfy.patcher_extension import WrappersMP
-
     mp = zoo["sd15"]
     cm = nexfort_engine.compile(mp.model.diffusion_model, {"mode": "O2"}, cache_dir=nx_cache)
-
-    def wrapper(executor, *args, **kwargs):
-        base = executor.class_obj
-        orig, base.diffusion_model = base.diffusion_model, cm
-        try:
-            return executor(*args, **kwargs)
-        finally:
-            base.diffusion_model = orig
-
-    c = mp.clone()
-    c.add_wrapper_with_key(WrappersMP.APPLY_MODEL, "test", wrapper)
+    c = tm.with_diffusion_model(mp, cm)
     out = tm.sample(c, 64, 96, 1, 3, 5.0)
     ref = tm.sample(mp, 64, 96, 1, 3, 5.0)
     assert tm.rel_err(out, ref) <= FP32_TOL

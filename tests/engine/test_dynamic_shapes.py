@@ -22,7 +22,6 @@ patchify path still guards ``x.size(0) == 1`` under backed size-oblivious semant
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
 
 import pytest
 import tiny_models as tm
@@ -39,24 +38,6 @@ CTX_LENS = (77, 154)
 
 def _sweep(family: str):
     return list(itertools.product(tm.RESOLUTIONS[family], CFGS, STEPS, CTX_LENS))
-
-
-def _wrapped(mp: Any, fn: Callable[..., Any]) -> Any:
-    """A clone of ``mp`` whose diffusion model is replaced by ``fn`` for each apply_model call."""
-    from comfy.patcher_extension import WrappersMP
-
-    def wrapper(executor, *args, **kwargs):
-        base = executor.class_obj
-        orig = base.diffusion_model
-        base.diffusion_model = fn
-        try:
-            return executor(*args, **kwargs)
-        finally:
-            base.diffusion_model = orig
-
-    m = mp.clone()
-    m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, "test", wrapper)
-    return m
 
 
 def _unique_graphs() -> int:
@@ -94,7 +75,7 @@ def test_nexfort_one_graph_over_the_sweep(zoo, family, fresh_stats, clean_dynamo
     dm = mp.model.diffusion_model
     compiled = nexfort_engine.compile(dm, {"mode": "O2", "backend": "eager"}, label=f"tiny-{family}")
     g0 = _unique_graphs()
-    worst, runs = _run_sweep(mp, family, _wrapped(mp, compiled))
+    worst, runs = _run_sweep(mp, family, tm.with_diffusion_model(mp, compiled))
     graphs = _unique_graphs() - g0
     s = fresh_stats()
     rec = s["models"][compiled.label]
@@ -115,7 +96,7 @@ def test_plain_dynamic_true_recompiles_on_the_same_sweep(zoo, family, clean_dyna
     plain = torch.compile(dm, dynamic=True, backend="eager")
     g0 = _unique_graphs()
     with torch._dynamo.config.patch(cache_size_limit=64, recompile_limit=64):
-        worst, runs = _run_sweep(mp, family, _wrapped(mp, plain))
+        worst, runs = _run_sweep(mp, family, tm.with_diffusion_model(mp, plain))
     graphs = _unique_graphs() - g0
     print(f"\n{family}: plain torch.compile(dynamic=True) made {graphs} graph(s) over {runs} sampler runs")
     assert worst <= 1e-4
