@@ -128,3 +128,120 @@ def compile_counts(compiler: str, graphs_before: int = 0) -> dict[str, Any]:
             "recompile_reasons": dynamo_recompile_reasons(),
         }
     return {"compiles": 0, "recompiles": 0, "fallbacks": 0}
+
+
+# -- FLOPs and the device's matmul peak ------------------------------------------------------------
+
+#: torch dtype -> the key of :func:`device_peak_tflops`
+DTYPE_KEY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _sdpa_flops_cpu(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def flop_counter() -> Any:
+    """``FlopCounterMode`` that also counts the CPU SDPA kernel.
+
+    torch registers FLOP formulas for the CUDA SDPA kernels (flash, efficient, cudnn) but not for
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, which SDPA dispatches to on the CPU: without
+    this mapping a CPU count would miss every attention.
+    """
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    extra = {}
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is not None and op not in flop_registry:
+        extra[op] = _sdpa_flops_cpu
+    return FlopCounterMode(display=False, custom_mapping=extra)
+
+
+def flops_by_op(counter: Any) -> dict[str, int]:
+    """``{"mm": n, "_scaled_dot_product_flash_attention": n, ...}`` over the whole counted region."""
+    counts = counter.get_flop_counts().get("Global", {})
+    return {str(op).removeprefix("aten."): int(n) for op, n in counts.items()}
+
+
+def _time_op(fn: Any, device: torch.device, iters: int, blocks: int) -> float:
+    """Best seconds per call of ``fn`` over ``blocks`` timed blocks of ``iters`` calls (after warm-up)."""
+    for _ in range(3 if device.type == "cuda" else 1):
+        fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(blocks):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1000.0
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            dt = time.perf_counter() - t0
+        best = min(best, dt / iters)
+    return best
+
+
+_PEAK_CACHE: dict[str, dict[str, Any]] = {}
+
+
+def device_peak(device: torch.device, n: int | None = None) -> dict[str, Any]:
+    """Measured dense matmul throughput of ``device``: ``{"tflops": {"fp32", "fp16", "bf16", "fp8"},
+    "n": n, "fp8_scaling": "rowwise" | "tensorwise" | None}``.
+
+    An n x n x n ``torch.mm`` (n = 8192 on a GPU, 512 on the CPU) per dtype: warm-up, then CUDA
+    events around blocks of 10 calls, best block. fp8: ``torch._scaled_mm`` on float8_e4m3fn with
+    row-wise scales (bf16 out) where the GPU has fp8 (compute capability >= 8.9), tensor-wise scales
+    if row-wise is refused; ``None`` where unsupported (and on the CPU). fp32 runs with the current
+    TF32 setting. Measured once per process and device.
+    """
+    key = str(device)
+    if key in _PEAK_CACHE:
+        return _PEAK_CACHE[key]
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 512)
+    iters, blocks = (10, 3) if cuda else (3, 1)
+    out: dict[str, float | None] = {}
+    scaling_used = None
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        try:
+            a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+            b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+            c = torch.empty(n, n, device=device, dtype=dtype)
+            s = _time_op(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), device, iters, blocks)
+            out[name] = 2 * n**3 / s / 1e12
+        except Exception:  # noqa: BLE001 - a dtype without a matmul kernel on this device
+            out[name] = None
+    out["fp8"] = None
+    if cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
+        a = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn).t()  # column-major
+        one = torch.ones((), device=device)
+        for scaling, sa, sb in (("rowwise", torch.ones(n, 1, device=device), torch.ones(1, n, device=device)),
+                                ("tensorwise", one, one)):
+            try:
+                s = _time_op(lambda sa=sa, sb=sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb,
+                                                                   out_dtype=torch.bfloat16), device, iters, blocks)
+            except Exception:  # noqa: BLE001 - this scaling is not supported here
+                continue
+            out["fp8"], scaling_used = 2 * n**3 / s / 1e12, scaling
+            break
+    _PEAK_CACHE[key] = {"tflops": out, "n": n, "fp8_scaling": scaling_used}
+    return _PEAK_CACHE[key]
+
+
+def achieved(flops_per_step: int | None, it_s: float | None, peak: dict[str, Any], dtype_key: str) -> dict[str, Any]:
+    """``achieved_tflops`` (FLOPs per step x it/s) and ``pct_of_peak`` against ``peak[dtype_key]``
+    (``peak``: the ``"tflops"`` dict of :func:`device_peak`)."""
+    if not flops_per_step or not it_s:
+        return {"achieved_tflops": None, "pct_of_peak": None}
+    tflops = flops_per_step * it_s / 1e12
+    p = peak.get(dtype_key)
+    return {"achieved_tflops": tflops, "pct_of_peak": 100.0 * tflops / p if p else None}

@@ -5,7 +5,7 @@
 One column per (GPU, model, resolution, steps, batch); rows as in the OneDiff nexfort seeds
 ("PyTorch iteration speed", ..., "Warmup with Cache time"), one row per compiler, percentages
 against the eager (``--compiler none``) run of the same column. Then a flat summary table with
-compile counts and errors. The chart needs matplotlib; without it the chart is skipped with a
+achieved TFLOP/s (and % of the device's measured matmul peak), compile counts and errors. The chart needs matplotlib; without it the chart is skipped with a
 message. Only numbers present in the JSON files are printed; a missing one shows as an empty cell.
 """
 
@@ -112,9 +112,22 @@ def metrics_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tflops_cell(r: dict[str, Any]) -> str:
+    """``achieved TFLOP/s (% of the measured peak of the compute dtype)``; empty for runs without it."""
+    t = r.get("achieved_tflops")
+    if t is None:
+        return ""
+    pct = r.get("pct_of_peak")
+    if pct is None:
+        return f"{t:.4g}"
+    dtype = r.get("peak_dtype")
+    return f"{t:.4g} ({pct:.1f}%" + (f" {dtype})" if dtype else ")")
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| GPU | model | size | compiler | config | it/s | speed-up | E2E s | peak GiB | warm-up s | "
-            "warm-cache s | compiles | recompiles | fallbacks | max err vs eager | err vs fp32 (eager) | lossless |")
+    head = ("| GPU | model | size | compiler | config | it/s | speed-up | TFLOP/s (% peak) | E2E s | peak GiB | "
+            "warm-up s | warm-cache s | compiles | recompiles | fallbacks | max err vs eager | err vs fp32 (eager) | "
+            "lossless |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     table = _pick(rows)
     for key, by_comp in table.items():
@@ -134,7 +147,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             cfg = r.get("compiler_config") or ""
             lines.append(
                 f"| {gpu} | {model} | {size} | {comp} | `{cfg}` | {_f(r.get('it_s'), '.2f')} | {speed} | "
-                f"{_f(r.get('e2e_s'), '.3f')} | {_f(r.get('peak_mem_gib'), '.2f')} | {_f(r.get('warmup_s'), '.2f')} | "
+                f"{tflops_cell(r)} | {_f(r.get('e2e_s'), '.3f')} | {_f(r.get('peak_mem_gib'), '.2f')} | {_f(r.get('warmup_s'), '.2f')} | "
                 f"{_f(r.get('warmup_warm_cache_s'), '.2f')} | {r.get('compiles', '')} | {r.get('recompiles', '')} | "
                 f"{r.get('fallbacks', '')} | {_f(e_eager, '.3g')} | {fp_cell} | {lossless} |"
             )
@@ -175,6 +188,7 @@ def one_line(r: dict[str, Any]) -> str:
     return (f"RESULT model={r['model']} compiler={r['compiler']} size={r['width']}x{r['height']} "
             f"it/s={_f(r.get('it_s'), '.2f')} e2e={_f(r.get('e2e_s'), '.3f')}s warmup={_f(r.get('warmup_s'), '.2f')}s "
             f"warm_cache={_f(r.get('warmup_warm_cache_s'), '.2f')}s peak={_f(r.get('peak_mem_gib'), '.2f')}GiB "
+            f"tflops={_f(r.get('achieved_tflops'), '.4g')} pct_peak={_f(r.get('pct_of_peak'), '.1f')} "
             f"compiles={r.get('compiles')} recompiles={r.get('recompiles')} fallbacks={r.get('fallbacks')} "
             f"err_vs_eager={_f(err, '.3g')} lossless={r.get('lossless', '')}")
 

@@ -9,7 +9,8 @@ real architecture at real size, random conditioning of the real shapes (no text 
 Metrics (see BENCHMARKS.md): steady it/s, E2E seconds, peak CUDA memory, warm-up with compile,
 warm-up with a warm cache (``--warm-cache-check``: a second process on the same cache dir),
 compiles/recompiles, error of the final latent vs an eager run of the same seed and vs a float32
-eager reference (``--fp32-reference``). ``--run_multiple_resolutions`` sweeps resolutions x step
+eager reference (``--fp32-reference``), FLOPs per step and achieved TFLOP/s against the device's
+measured matmul peak. ``--run_multiple_resolutions`` sweeps resolutions x step
 counts x prompt lengths and reports recompiles. ``--tiny --device cpu`` runs tiny twins for tests.
 """
 
@@ -157,15 +158,11 @@ class Runner:
 
     def run(self, mp: Any, height: int, width: int, steps: int, text_len: int | None = None) -> tuple[Any, dict]:
         import comfy.sample
-        import torch
 
-        from benchmarks import metrics, models
+        from benchmarks import metrics
 
-        spec, args = self.spec, self.args
-        latent = torch.zeros(spec.latent_shape(args.batch, height, width, args.frames))
-        latent = comfy.sample.fix_empty_latent_channels(mp, latent)
-        noise = comfy.sample.prepare_noise(latent, args.seed)
-        pos, neg = models.conditioning(spec, height, width, text_len)
+        args = self.args
+        latent, noise, pos, neg = self.inputs(mp, height, width, text_len)
         timer = metrics.StepTimer(self.device)
         metrics.sync(self.device)
         t0 = time.perf_counter()
@@ -176,6 +173,57 @@ class Runner:
         metrics.sync(self.device)
         e2e = time.perf_counter() - t0
         return out, {"e2e_s": e2e, "it_s": timer.it_per_s(), "steps_seen": len(timer.marks)}
+
+    def inputs(self, mp: Any, height: int, width: int, text_len: int | None = None) -> tuple[Any, Any, list, list]:
+        """(empty latent, noise, positive, negative) exactly as :meth:`run` samples them."""
+        import comfy.sample
+        import torch
+
+        from benchmarks import models
+
+        latent = torch.zeros(self.spec.latent_shape(self.args.batch, height, width, self.args.frames))
+        latent = comfy.sample.fix_empty_latent_channels(mp, latent)
+        noise = comfy.sample.prepare_noise(latent, self.args.seed)
+        pos, neg = models.conditioning(self.spec, height, width, text_len)
+        return latent, noise, pos, neg
+
+    def count_flops(self, mp: Any, height: int, width: int) -> dict[str, Any]:
+        """FLOPs of one sampling step: a 1-step ``comfy.sample.sample`` on a clone of the *eager*
+        ``mp`` whose ``model_function_wrapper`` runs each diffusion-model call under
+        ``FlopCounterMode`` - the batch (cond + uncond when cfg > 1), latent shape and context are
+        the ones the sampler builds. The clone only adds the wrapper; ``mp`` itself is untouched."""
+        import comfy.ldm.modules.attention as attention
+        import comfy.sample
+
+        from benchmarks import metrics
+
+        seen: dict[str, Any] = {"calls": 0, "flops": 0, "by_op": {}, "batch": []}
+
+        def wrapper(apply_model: Any, a: dict[str, Any]) -> Any:
+            with metrics.flop_counter() as counter:
+                out = apply_model(a["input"], a["timestep"], **a["c"])
+            seen["calls"] += 1
+            seen["flops"] += counter.get_total_flops()
+            seen["batch"].append(int(a["input"].shape[0]))
+            for op, n in metrics.flops_by_op(counter).items():
+                seen["by_op"][op] = seen["by_op"].get(op, 0) + n
+            return out
+
+        m = mp.clone()
+        m.set_model_unet_function_wrapper(wrapper)
+        latent, noise, pos, neg = self.inputs(m, height, width)
+        comfy.sample.sample(m, noise, 1, self.cfg, self.args.sampler, self.scheduler, pos, neg, latent,
+                            disable_pbar=True, seed=self.args.seed)
+        del m
+        attn = sum(n for op, n in seen["by_op"].items() if "attention" in op)
+        return {
+            "flops_per_step": int(seen["flops"]),
+            "flops_model_calls": seen["calls"],
+            "flops_model_batch": seen["batch"],
+            "flops_by_op": dict(sorted(seen["by_op"].items(), key=lambda kv: -kv[1])),
+            "flops_attention_counted": attn > 0,
+            "attention_function": getattr(attention.optimized_attention, "__name__", None),
+        }
 
     @property
     def cfg(self) -> float:
@@ -358,6 +406,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if args.compiler == "none":
             result["warmup_s"] = m["e2e_s"]
 
+    # FLOPs of one step, counted on the eager model before anything is compiled (outside all timing)
+    if not args.warm_child:
+        result.update(runner.count_flops(mp, height, width))
+
     target = apply_compiler(mp, args.compiler, args.compiler_config)
     graphs0 = metrics.dynamo_unique_graphs()
     if args.compiler == "nexfort":
@@ -383,6 +435,15 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result["e2e_s"] = metrics.median([r["e2e_s"] for r in runs])
     result["peak_mem_gib"] = metrics.peak_gib(device) if runs else None
     result.update(metrics.compile_counts(args.compiler, graphs0))
+    if not args.warm_child:
+        # the device's measured matmul peak (after the timed runs: not in their peak memory)
+        peak = metrics.device_peak(device)
+        result["device_peak_tflops"] = peak["tflops"]
+        result["device_peak_method"] = {"op": "torch.mm n x n x n (fp8: torch._scaled_mm)", "n": peak["n"],
+                                        "fp8_scaling": peak["fp8_scaling"]}
+        result["peak_dtype"] = metrics.DTYPE_KEY.get(manual_cast or dtype)
+        result.update(metrics.achieved(result.get("flops_per_step"), result["it_s"], peak["tflops"],
+                                       result["peak_dtype"]))
 
     if latent is not None:
         result["latent_finite"] = bool(torch.isfinite(latent).all())

@@ -3,7 +3,9 @@
 The tool runs in subprocesses (as on a GPU machine), so ComfyUI never enters the pytest process.
 nexfort runs with ``{"backend": "eager"}``: Dynamo traces the real ComfyUI model through the pack's
 APPLY_MODEL wrapper, without Inductor's 50-100 s CPU compile. Speed is not asserted (CI machines
-are shared); the structure of the results, the counters and the eager-vs-compiled error are.
+are shared); the structure of the results, the counters and the eager-vs-compiled error are, and the
+FLOPs per step against a hand count of the tiny Flux (the nexfort run uses cfg 2, so the sampler
+batches cond + uncond and the count must double).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("bench")
     return {
         "none": _bench(tmp, "none", "--compiler", "none"),
-        "nexfort": _bench(tmp, "nexfort", "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}'),
+        "nexfort": _bench(tmp, "nexfort", "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}',
+                          "--cfg", "2"),
         "_dir": {"path": str(tmp)},
     }
 
@@ -86,3 +89,75 @@ def test_report_merges_runs(results, tmp_path):
     assert len(summary) == 2
     msg = report.chart(docs, tmp_path / "chart.png")
     assert msg.startswith("chart written") or "matplotlib is not installed" in msg
+
+
+def _tiny_flux_flops() -> tuple[int, int]:
+    """(all, attention) FLOPs of one tiny-Flux call at batch 1, 64x64 pixels, by hand from its config:
+    2*tokens*in*out per linear layer, 4*heads*L*L*head_dim per joint attention over L tokens."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks import models
+    finally:
+        sys.path.remove(str(REPO))
+    spec = models.get_spec("flux", tiny=True)
+    c = spec.unet_config
+    hid, p = c["hidden_size"], c["patch_size"]
+    mlp, heads = int(hid * c["mlp_ratio"]), c["num_heads"]
+    t_img = (spec.height // 8 // p) * (spec.width // 8 // p)
+    t_txt = spec.text_len
+    t_all = t_img + t_txt
+
+    def lin(tokens: int, i: int, o: int) -> int:
+        return 2 * tokens * i * o
+
+    embed = (lin(t_img, c["in_channels"] * p * p, hid) + 2 * (lin(1, 256, hid) + lin(1, hid, hid))  # img, time, guidance
+             + lin(1, c["vec_in_dim"], hid) + lin(1, hid, hid) + lin(t_txt, c["context_in_dim"], hid))
+    double = 2 * lin(1, hid, 6 * hid) + sum(
+        lin(t, hid, 3 * hid) + lin(t, hid, hid) + lin(t, hid, mlp) + lin(t, mlp, hid) for t in (t_img, t_txt))
+    single = lin(1, hid, 3 * hid) + lin(t_all, hid, 3 * hid + mlp) + lin(t_all, hid + mlp, hid)
+    final = lin(1, hid, 2 * hid) + lin(t_img, hid, c["out_channels"] * p * p)
+    blocks = c["depth"] + c["depth_single_blocks"]
+    attn = blocks * 4 * heads * t_all * t_all * (hid // heads)
+    total = embed + c["depth"] * double + c["depth_single_blocks"] * single + final + attn
+    return total, attn
+
+
+def test_flops_and_peak(results):
+    total, attn = _tiny_flux_flops()
+    r = results["none"]
+    assert r["flops_model_calls"] == 1 and r["flops_model_batch"] == [1]  # cfg 1: no uncond pass
+    assert r["attention_function"] == "attention_pytorch" and r["flops_attention_counted"]
+    # the CPU SDPA kernel is counted (torch's FlopCounterMode alone has no formula for it)
+    assert sum(n for op, n in r["flops_by_op"].items() if "attention" in op) == attn
+    assert abs(r["flops_per_step"] - total) <= 0.02 * total, (r["flops_per_step"], total, r["flops_by_op"])
+    n = results["nexfort"]
+    assert n["flops_model_batch"] == [2] and n["flops_per_step"] == 2 * r["flops_per_step"]  # cfg 2: cond + uncond
+
+    for run in (r, n):
+        peak = run["device_peak_tflops"]
+        assert set(peak) == {"fp32", "fp16", "bf16", "fp8"}
+        assert peak["fp32"] > 0 and peak["fp8"] is None  # no fp8 matmul on the CPU
+        assert run["device_peak_method"]["n"] == 512
+        assert run["peak_dtype"] == "fp32"
+        assert run["achieved_tflops"] == pytest.approx(run["flops_per_step"] * run["it_s"] / 1e12)
+        assert run["pct_of_peak"] == pytest.approx(100 * run["achieved_tflops"] / peak["fp32"])
+
+
+def test_report_tflops_column(results):
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks import report
+    finally:
+        sys.path.remove(str(REPO))
+    d = Path(results["_dir"]["path"])
+    md = report.render(report.load([d / "none.json", d / "nexfort.json"]))
+    head = next(line for line in md.splitlines() if line.startswith("| GPU |"))
+    col = [c.strip() for c in head.split("|")].index("TFLOP/s (% peak)")
+    for line in (line for line in md.splitlines() if line.startswith("| CPU | flux |")):
+        assert line.split("|")[col].strip().endswith("% fp32)"), line
+    # results written before these fields existed still render, with an empty cell
+    old = sorted((REPO / "benchmarks" / "results").glob("*/run*.json"))
+    if old:
+        md_old = report.render(report.load(old[:1]))
+        row = next(line for line in md_old.splitlines() if line.startswith("| NVIDIA"))
+        assert row.split("|")[col].strip() == ""
