@@ -38,6 +38,8 @@ class _Record:
     cache_key: str = ""
     config: str = ""
     node_ids: list[str] = field(default_factory=list)
+    #: regional compilation: the block groups compiled once each (empty: the whole model)
+    regions: list[str] = field(default_factory=list)
     updated: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
@@ -51,6 +53,7 @@ class _Record:
             cache_key=self.cache_key,
             config=self.config,
             node_ids=list(self.node_ids),
+            regions=list(self.regions),
             updated=self.updated,
         )
         return d

@@ -102,6 +102,32 @@ def mark_dynamic_dims(args: tuple, kwargs: dict) -> None:
         visit(a)
 
 
+#: views up to this many elements are copied before a compiled block sees them (see below)
+SMALL_VIEW_NUMEL = 1 << 22
+
+
+def _own_storage(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v._base is not None and v.numel() <= SMALL_VIEW_NUMEL:
+        return v.clone()
+    return v
+
+
+def prepare_block_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Inputs of a regionally compiled block (regions.py): mark varying dims dynamic.
+
+    Block inputs are intermediate tensors, often small views of tables built in the eager glue
+    (Flux/Wan RoPE ``pe = emb.unsqueeze(1)``). Dynamo fakes a view from its base, whose layout
+    (``[B, L, ...]``) the view-shaped heuristics of :func:`varying_dims` misread, so the sequence
+    length would be guarded in the base's strides and every new resolution would recompile.
+    Small views are therefore copied into their own storage first (a few MB per step); large
+    activations are passed as they are.
+    """
+    args = tuple(_own_storage(a) for a in args)
+    kwargs = {k: _own_storage(v) for k, v in kwargs.items()}
+    mark_dynamic_dims(args, kwargs)
+    return args, kwargs
+
+
 def to_memory_format(args: tuple, kwargs: dict, memory_format: torch.memory_format) -> tuple[tuple, dict]:
     """Convert 4-D floating tensor arguments to ``memory_format`` (channels_last for conv nets)."""
 

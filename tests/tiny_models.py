@@ -123,29 +123,29 @@ def tiny_sd15(seed: int = 0) -> Any:
     return _patcher(model, spec)
 
 
-def tiny_pixart(seed: int = 0) -> Any:
-    """PixArt-alpha DiT: 2 blocks, hidden 48 (micro-conditioning needs a multiple of 3), patch 2, micro-conditioning on."""
+def tiny_pixart(seed: int = 0, depth: int = 2) -> Any:
+    """PixArt-alpha DiT: ``depth`` (2) blocks, hidden 48 (micro-conditioning needs a multiple of 3), patch 2, micro-conditioning on."""
     boot()
     import comfy.supported_models
 
     unet_config = {
         "image_model": "pixart_alpha", "micro_condition": True, "input_size": 32, "patch_size": 2,
-        "in_channels": 4, "hidden_size": 48, "depth": 2, "num_heads": 2, "caption_channels": 48,
+        "in_channels": 4, "hidden_size": 48, "depth": depth, "num_heads": 2, "caption_channels": 48,
         "pe_interpolation": 0.5, "model_max_length": 120, "learn_sigma": True, "pred_sigma": True,
     }
     model = init_weights(comfy.supported_models.PixArtAlpha(unet_config).get_model({}), seed)
     return _patcher(model, SPECS["pixart"])
 
 
-def tiny_flux(seed: int = 0) -> Any:
-    """Flux DiT: 1 double + 1 single block, hidden 64, 2 heads, patch 2."""
+def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1) -> Any:
+    """Flux DiT: ``depth`` (1) double + ``depth_single`` (1) single blocks, hidden 64, 2 heads, patch 2."""
     boot()
     import comfy.supported_models
 
     unet_config = {
         "image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
-        "context_in_dim": 48, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 1,
-        "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 2,
+        "context_in_dim": 48, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": depth,
+        "depth_single_blocks": depth_single, "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 2,
         "qkv_bias": True, "guidance_embed": True,
     }
     model = init_weights(comfy.supported_models.Flux(unet_config).get_model({}), seed)

@@ -1,0 +1,160 @@
+"""Regional compilation: compile a repeated block once and reuse it for every identical twin.
+
+A diffusion transformer is mostly a stack of identical blocks (PixArt-alpha: 28, Flux: 19 double +
+38 single, Wan 2.1: 30). Compiling the whole model makes Dynamo trace and Inductor optimise and
+code-generate every copy, so cold compile time, warm-start time (load, re-trace) and the cache all
+grow with the depth. Here each group of structurally identical blocks gets *one* compiled function:
+with ``inline_inbuilt_nn_modules`` (torch >= 2.5 default) a block's weights are graph inputs, so every
+twin passes the same guards and reuses the one graph. The glue around the blocks (embeddings, RoPE
+tables, the final layer) runs eager; it is a small share of a DiT's step at the sizes it is used at,
+and it is also where ComfyUI's size-dependent Python lives (Flux's ``linspace(steps=(w + 1) // 2)``),
+so the compiled blocks never specialise on the resolution.
+
+Why it is safe: nothing in the model is replaced or renamed (state-dict keys, LoRA patches and
+``ModelPatcher`` bookkeeping are untouched). For the duration of one call of our compiled module each
+block's ``_compiled_call_impl`` - the slot ``nn.Module.__call__`` honours, the one
+``nn.Module.compile()`` sets - points at the compiled function, and the previous value is restored
+afterwards, so an uncompiled clone sharing the model, or our eager fallback, sees plain modules.
+Blocks with hooks are left alone (a compiled ``forward`` would skip them).
+
+Used by :class:`nexfort_engine.compiler.CompiledModule` when the ``regional`` option is on, or
+``None`` (auto) and :func:`find_regions` finds top-level block stacks holding most of the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+#: called with a block's (args, kwargs) before its compiled forward; returns the ones to pass
+Prepare = Callable[[tuple, dict], tuple[tuple, dict]]
+
+#: a stack needs at least this many identical blocks to be worth compiling once
+MIN_REPEATS = 4
+#: auto mode: the regions must hold at least this share of the model's parameters
+MIN_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Region:
+    """A group of structurally identical blocks from one top-level ``ModuleList``."""
+
+    path: str
+    signature: str
+    blocks: tuple[torch.nn.Module, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}[{type(self.blocks[0]).__name__}x{len(self.blocks)}]"
+
+
+def block_signature(block: torch.nn.Module) -> str:
+    """Class, printed architecture, and every parameter/buffer's name, shape and dtype."""
+    h = hashlib.sha256()
+    cls = type(block)
+    h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+    h.update(repr(block).encode())
+    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+    return h.hexdigest()[:16]
+
+
+def _has_hooks(block: torch.nn.Module) -> bool:
+    return any(
+        getattr(m, attr, None)
+        for m in block.modules()
+        for attr in ("_forward_hooks", "_forward_pre_hooks")
+    ) or bool(getattr(block, "_compiled_call_impl", None))
+
+
+def _param_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_regions(module: torch.nn.Module, min_repeats: int = MIN_REPEATS) -> list[Region]:
+    """Groups of >= ``min_repeats`` identical, hook-free blocks in the module's top-level
+    ``ModuleList`` attributes (``blocks``, ``double_blocks``, ``single_blocks``, ...).
+
+    Only direct children are searched: deeper stacks (a UNet's 10-deep transformer at one level)
+    are a small part of a network whose convolutions would then run eager.
+    """
+    regions: list[Region] = []
+    for path, child in module.named_children():
+        if not isinstance(child, torch.nn.ModuleList):
+            continue
+        groups: dict[str, list[torch.nn.Module]] = {}
+        for block in child:
+            if not _has_hooks(block):
+                groups.setdefault(block_signature(block), []).append(block)
+        for sig, blocks in groups.items():
+            if len(blocks) >= min_repeats:
+                regions.append(Region(path, sig, tuple(blocks)))
+    return regions
+
+
+def region_share(module: torch.nn.Module, regions: list[Region]) -> float:
+    """Share of the module's parameters inside ``regions``."""
+    total = _param_count(module)
+    inside = sum(_param_count(b) for r in regions for b in r.blocks)
+    return inside / total if total else 0.0
+
+
+def select_regions(module: torch.nn.Module, regional: bool | None) -> list[Region]:
+    """What to compile regionally: ``False`` -> nothing (whole model); ``True`` -> every region
+    found; ``None`` (auto) -> the regions if they hold >= ``MIN_SHARE`` of the weights."""
+    if regional is False:
+        return []
+    regions = find_regions(module)
+    if regional is None and region_share(module, regions) < MIN_SHARE:
+        return []
+    return regions
+
+
+def compile_block_forward(region: Region, compiler: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
+    """``compiler(fn)`` applied to the blocks' class ``forward`` (Dynamo caches on that code object,
+    so all twins, and all regions of that class, share the cache)."""
+    return compiler(type(region.blocks[0]).forward)
+
+
+class _BlockCall:
+    """What a block's ``_compiled_call_impl`` points at while installed."""
+
+    __slots__ = ("block", "fn", "before")
+
+    def __init__(self, block: torch.nn.Module, fn: Callable[..., Any], before: Prepare | None):
+        self.block = block
+        self.fn = fn
+        self.before = before
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.before is not None:
+            args, kwargs = self.before(args, kwargs)
+        return self.fn(self.block, *args, **kwargs)
+
+
+class Installer:
+    """Points each region block's ``_compiled_call_impl`` at its compiled function for one call."""
+
+    def __init__(
+        self,
+        regions: list[Region],
+        fns: list[Callable[..., Any]],
+        before: Prepare | None = None,
+    ) -> None:
+        self.calls = [(b, _BlockCall(b, fn, before)) for r, fn in zip(regions, fns, strict=True) for b in r.blocks]
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        saved = []
+        try:
+            for block, call in self.calls:
+                saved.append((block, block.__dict__.get("_compiled_call_impl")))
+                block.__dict__["_compiled_call_impl"] = call
+            yield
+        finally:
+            for block, old in saved:
+                block.__dict__["_compiled_call_impl"] = old
