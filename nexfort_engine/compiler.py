@@ -29,6 +29,7 @@ import torch
 from . import counters, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR
+from .fp8 import Fp8LinearMode, fp8_supported
 from .options import CompileConfig, parse_options
 from .settings import Settings, resolve, runtime_overrides
 
@@ -158,7 +159,9 @@ class CompiledModule(torch.nn.Module):
 
     def _setup(self, example: torch.Tensor | None) -> None:
         device = str(example.device) if example is not None else "cpu"
-        self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"))
+        fp8_capable = example is not None and fp8_supported(example.device)
+        self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"), fp8_capable=fp8_capable)
+        counters.set_info(self._nx_label, fp8=self._nx_settings.fp8)
         self._nx_cudagraphs = bool(self._nx_settings.inductor.get("triton.cudagraphs")) and (
             self._nx_config.backend == "inductor"
         )
@@ -187,6 +190,8 @@ class CompiledModule(torch.nn.Module):
                 stack.enter_context(self._nx_entry.activate())
             stack.enter_context(shapes.shape_policy(self._nx_config.dynamic, self._nx_config.size_oblivious))
             stack.enter_context(runtime_overrides(self._nx_settings.runtime))
+            if self._nx_settings.fp8:  # traced by Dynamo: quantize + _scaled_mm land in the graph
+                stack.enter_context(Fp8LinearMode())
             yield
 
     def _first_call(self, args: tuple, kwargs: dict) -> Any:

@@ -38,6 +38,8 @@ class _Record:
     cache_key: str = ""
     config: str = ""
     node_ids: list[str] = field(default_factory=list)
+    #: token-wise linears run in fp8 (fp8.py)
+    fp8: bool = False
     #: regional compilation: the block groups compiled once each (empty: the whole model)
     regions: list[str] = field(default_factory=list)
     updated: float = field(default_factory=time.time)
@@ -53,6 +55,7 @@ class _Record:
             cache_key=self.cache_key,
             config=self.config,
             node_ids=list(self.node_ids),
+            fp8=self.fp8,
             regions=list(self.regions),
             updated=self.updated,
         )

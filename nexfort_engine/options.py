@@ -41,7 +41,10 @@ FLAGS: dict[str, str] = {
     "max-optimize": "most aggressive fusion: epilogue/aggressive/permute fusion, shape padding",
     "cudagraphs": "CUDA graphs (per-shape graph trees) to remove CPU launch overhead",
     "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",
-    "low-precision": "reduced-precision math: fp16/bf16 reduced-precision matmul/SDPA, TF32",
+    "low-precision": (
+        "reduced-precision math: fp8 (e4m3, dynamic rowwise scales) token-wise linears on GPUs with fp8 "
+        "(sm89+), fp16/bf16 reduced-precision reductions, TF32"
+    ),
     "cache-all": "persist every compile artifact (FX graph, AOTAutograd, autotune, portable cache)",
     "benchmark": "cuDNN benchmark mode for convolutions",
     "jit": "fast compile: no autotuning, cheaper Inductor settings",
@@ -72,6 +75,7 @@ TOP_LEVEL_KEYS = (
     "options",
     "backend",
     "size_oblivious",
+    "fp8",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -96,6 +100,9 @@ class CompileConfig:
     #: reason about sizes 0/1 obliviously so batch 1 and batch 2 share one graph (shapes.py).
     #: Off by default: Inductor produced NaN for a DiT at batch 1 from a batch-2 graph with it on.
     size_oblivious: bool = False
+    #: fp8 token-wise linears (fp8.py): None = auto (with ``low-precision`` on a GPU that has fp8);
+    #: True = always (CPU too: correct, not faster); False = never
+    fp8: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -147,6 +154,12 @@ def _as_bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     raise OptionsError(f"{key!r} must be true or false, got {value!r}")
+
+
+def _as_optional_bool(key: str, value: Any) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise OptionsError(f"{key!r} must be true, false or null (auto), got {value!r}")
 
 
 def _validate_override(key: str, value: Any) -> None:
@@ -233,6 +246,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         fuse_qkv_projections=_as_bool("fuse_qkv_projections", options.get("fuse_qkv_projections", False)),
         backend=backend,
         size_oblivious=_as_bool("size_oblivious", options.get("size_oblivious", False)),
+        fp8=_as_optional_bool("fp8", options.get("fp8")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

@@ -9,7 +9,9 @@ into a :class:`Settings` value holding
   ``torch._dynamo.config.patch`` around each call of the compiled module (compiles happen inside
   calls);
 * ``runtime``: backend switches read at kernel-dispatch time (TF32, reduced-precision
-  reductions, cuDNN benchmark), set on entry to each compiled call and restored on exit.
+  reductions, cuDNN benchmark), set on entry to each compiled call and restored on exit;
+* ``fp8``: whether token-wise linears run in fp8 (:mod:`nexfort_engine.fp8`), a mode entered
+  around each compiled call and traced into the graph.
 
 GPU-only flags on a machine without CUDA are dropped with a single logged warning.
 """
@@ -106,6 +108,8 @@ class Settings:
     inductor: dict[str, Any] = field(default_factory=dict)
     runtime: dict[str, bool] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
+    #: fp8 token-wise linears (changes the compiled graph, so part of :meth:`digest`)
+    fp8: bool = False
 
     def digest(self, config: CompileConfig) -> str:
         """Hash of what actually shapes the compiled artifacts on this machine (cache keys):
@@ -115,6 +119,9 @@ class Settings:
         for k in ("flags", "overrides", "mode"):
             d.pop(k, None)
         d.update(inductor=self.inductor, runtime=self.runtime)
+        d.pop("fp8", None)  # the config's request; what counts is the effective value
+        if self.fp8:  # only when on, so keys made before the fp8 option stay valid
+            d["fp8"] = True
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -124,8 +131,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve(config: CompileConfig, *, cuda: bool | None = None) -> Settings:
-    """Flags + overrides -> scoped settings for this machine."""
+def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: bool = False) -> Settings:
+    """Flags + overrides -> scoped settings for this machine.
+
+    ``fp8_capable``: the device has fp8 tensor cores (:func:`nexfort_engine.fp8.fp8_supported`);
+    with ``config.fp8`` unset, fp8 linears are on when ``low-precision`` survives and this holds.
+    """
     cuda = cuda_available() if cuda is None else cuda
     inductor: dict[str, Any] = dict(BASE_INDUCTOR)
     runtime: dict[str, bool] = {}
@@ -150,7 +161,11 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None) -> Settings:
             inductor[key] = value
     if not cuda:
         runtime = {}
-    return Settings(inductor=inductor, runtime=runtime, dropped=dropped)
+    if config.fp8 is None:
+        fp8 = fp8_capable and "low-precision" in config.flags and "low-precision" not in dropped
+    else:
+        fp8 = config.fp8
+    return Settings(inductor=inductor, runtime=runtime, dropped=dropped, fp8=fp8)
 
 
 def _runtime_switches() -> dict[str, tuple[Any, Any]]:
