@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import counters, shapes
+from . import counters, regions, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR
 from .fp8 import Fp8LinearMode, fp8_supported
@@ -103,6 +103,9 @@ class CompiledModule(torch.nn.Module):
         self._nx_entry: CacheEntry | None = None
         self._nx_env: dict[str, str] | None = None
         self._nx_graphs = 0
+        #: graphs one first call is expected to make: 1, or one per region (regional compilation)
+        self._nx_first_graphs = 1
+        self._nx_regions: list[regions.Region] = []
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         self._nx_cudagraphs = False
@@ -175,12 +178,45 @@ class CompiledModule(torch.nn.Module):
             counters.rename(old_label, self._nx_label)
             counters.set_info(self._nx_label, cache_key=key)
         target = self._orig_mod if self._nx_method == "forward" else getattr(self._orig_mod, self._nx_method)
-        self._nx_compiled = torch.compile(
-            target,
+        if self._nx_method == "forward":
+            self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
+        if self._nx_regions:
+            self._nx_compiled = self._compile_regions(target)
+        else:
+            self._nx_compiled = self._torch_compile(target)
+        counters.set_info(self._nx_label, regions=[r.name for r in self._nx_regions])
+
+    def _torch_compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compile(
+            fn,
             backend=self._backend,
             dynamic=None if self._nx_config.dynamic else False,
             fullgraph=self._nx_config.fullgraph,
         )
+
+    def _compile_regions(self, target: Callable[..., Any]) -> Callable[..., Any]:
+        """Regional compilation (see :mod:`nexfort_engine.regions`): one compiled ``forward`` per
+        block class, installed on the blocks while ``target`` runs eager around them."""
+        by_class: dict[type, Callable[..., Any]] = {}
+        fns = []
+        for region in self._nx_regions:
+            cls = type(region.blocks[0])
+            if cls not in by_class:
+                by_class[cls] = regions.compile_block_forward(region, self._torch_compile)
+            fns.append(by_class[cls])
+        dynamic = self._nx_config.dynamic
+
+        def before(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return shapes.prepare_block_inputs(args, kwargs, dynamic)
+
+        installer = regions.Installer(self._nx_regions, fns, before)
+        self._nx_first_graphs = len(self._nx_regions)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with installer.installed():
+                return target(*args, **kwargs)
+
+        return call
 
     @contextlib.contextmanager
     def _scope(self) -> Iterator[None]:
@@ -234,7 +270,7 @@ class CompiledModule(torch.nn.Module):
         label = self._nx_label
         first = self._nx_graphs == new
         counters.bump(label, "compiles", new)
-        recompiles = new - 1 if first else new
+        recompiles = max(0, new - self._nx_first_graphs) if first else new
         if recompiles:
             counters.bump(label, "recompiles", recompiles)
             counters.add_reason(label, "recompile", _last_recompile_reason())

@@ -76,6 +76,7 @@ TOP_LEVEL_KEYS = (
     "backend",
     "size_oblivious",
     "fp8",
+    "regional",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -103,6 +104,9 @@ class CompileConfig:
     #: fp8 token-wise linears (fp8.py): None = auto (with ``low-precision`` on a GPU that has fp8);
     #: True = always (CPU too: correct, not faster); False = never
     fp8: bool | None = None
+    #: regional compilation (regions.py): compile each stack of identical blocks once; None = auto
+    #: (on when such stacks hold most of the weights: DiTs such as PixArt, Flux, Wan)
+    regional: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -247,6 +251,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         backend=backend,
         size_oblivious=_as_bool("size_oblivious", options.get("size_oblivious", False)),
         fp8=_as_optional_bool("fp8", options.get("fp8")),
+        regional=_as_optional_bool("regional", options.get("regional")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

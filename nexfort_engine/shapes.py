@@ -106,25 +106,31 @@ def mark_dynamic_dims(args: tuple, kwargs: dict) -> None:
 SMALL_VIEW_NUMEL = 1 << 22
 
 
-def _own_storage(v: Any) -> Any:
-    if isinstance(v, torch.Tensor) and v._base is not None and v.numel() <= SMALL_VIEW_NUMEL:
-        return v.clone()
-    return v
+def _block_input(v: Any, dynamic: bool) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    if dynamic and v._base is not None and v.numel() <= SMALL_VIEW_NUMEL:
+        return v.clone(memory_format=torch.contiguous_format)
+    return v if v.is_contiguous() else v.contiguous()
 
 
-def prepare_block_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Inputs of a regionally compiled block (regions.py): mark varying dims dynamic.
+def prepare_block_inputs(args: tuple, kwargs: dict, dynamic: bool = True) -> tuple[tuple, dict]:
+    """Inputs of a regionally compiled block (regions.py): one layout for every block, and under
+    dynamic shape the varying dims marked.
 
-    Block inputs are intermediate tensors, often small views of tables built in the eager glue
-    (Flux/Wan RoPE ``pe = emb.unsqueeze(1)``). Dynamo fakes a view from its base, whose layout
-    (``[B, L, ...]``) the view-shaped heuristics of :func:`varying_dims` misread, so the sequence
-    length would be guarded in the base's strides and every new resolution would recompile.
-    Small views are therefore copied into their own storage first (a few MB per step); large
-    activations are passed as they are.
+    * Non-contiguous tensors are made contiguous: the first block of a stack often gets a
+      transposed view (Wan's patch embedding ``flatten(2).transpose(1, 2)``) and the others a
+      contiguous tensor, and the strides are guarded, so the stack would compile twice.
+    * Under dynamic shape, small views are copied into their own storage: block inputs are often
+      small views of tables built in the eager glue (Flux/Wan RoPE ``pe = emb.unsqueeze(1)``);
+      Dynamo fakes a view from its base, whose ``[B, L, ...]`` layout the heuristics of
+      :func:`varying_dims` misread, so the sequence length would be guarded in the base's strides
+      and every new resolution would recompile. That costs a few MB of copies per step.
     """
-    args = tuple(_own_storage(a) for a in args)
-    kwargs = {k: _own_storage(v) for k, v in kwargs.items()}
-    mark_dynamic_dims(args, kwargs)
+    args = tuple(_block_input(a, dynamic) for a in args)
+    kwargs = {k: _block_input(v, dynamic) for k, v in kwargs.items()}
+    if dynamic:
+        mark_dynamic_dims(args, kwargs)
     return args, kwargs
 
 

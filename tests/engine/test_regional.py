@@ -1,0 +1,157 @@
+"""Regional compilation (nexfort_engine/regions.py): each stack of identical DiT blocks compiles once.
+
+Tiny PixArt-alpha (5 blocks) and Flux (4 double + 4 single) built with ComfyUI's classes, sampled
+through ComfyUI's sampler. With ``backend: eager`` the graph count is Dynamo's: one graph per block
+class, plus one for batch 1 vs batch 2 (size 1 is specialised, the same bound as whole-model
+compiles) - over 3 resolutions x 2 cfg x 2 prompt lengths, including Flux, whose whole-model
+compile specialises on the resolution (test_dynamic_shapes.py) because the size-dependent Python
+is in the eager glue here.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import tiny_models as tm
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import nexfort_engine
+from nexfort_engine import regions
+from nexfort_engine.options import OptionsError, parse_options
+
+
+@pytest.fixture(scope="module")
+def deep(comfy_inproc):
+    return {"pixart": tm.tiny_pixart(depth=5), "flux": tm.tiny_flux(depth=4, depth_single=4)}
+
+
+@pytest.fixture
+def clean_dynamo(monkeypatch, fresh_stats):
+    monkeypatch.delenv("NEXFORT_CACHE_DIR", raising=False)
+    torch._dynamo.reset()
+    counters.clear()
+    yield fresh_stats
+    torch._dynamo.reset()
+
+
+def test_finds_top_level_block_stacks(deep, zoo):
+    pix = deep["pixart"].model.diffusion_model
+    [r] = regions.find_regions(pix)
+    assert r.path == "blocks" and len(r.blocks) == 5 and r.name == "blocks[PixArtMSBlockx5]"
+    assert regions.select_regions(pix, None) == [r]
+    flux = deep["flux"].model.diffusion_model
+    assert [r.name for r in regions.select_regions(flux, None)] == [
+        "double_blocks[DoubleStreamBlockx4]", "single_blocks[SingleStreamBlockx4]"]
+    # a UNet has no stack of >= 4 identical top-level blocks: compiled whole
+    assert regions.select_regions(zoo["sd15"].model.diffusion_model, None) == []
+    # 2 blocks: below MIN_REPEATS, even when forced
+    assert regions.select_regions(zoo["pixart"].model.diffusion_model, True) == []
+    assert regions.select_regions(pix, False) == []
+
+
+def test_auto_needs_most_of_the_weights():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+            self.head = torch.nn.Linear(64, 64)
+
+    net = Net()
+    assert regions.region_share(net, regions.find_regions(net)) < regions.MIN_SHARE
+    assert regions.select_regions(net, None) == []
+    assert len(regions.select_regions(net, True)) == 1
+
+
+def test_blocks_with_hooks_are_left_alone():
+    blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(5))
+    blocks[0].register_forward_hook(lambda *a: None)
+    root = torch.nn.Module()
+    root.blocks = blocks
+    [r] = regions.find_regions(root)
+    assert len(r.blocks) == 4 and blocks[0] not in r.blocks
+
+
+def test_option_validation():
+    assert parse_options({"regional": True}).regional is True
+    assert parse_options({}).regional is None
+    with pytest.raises(OptionsError, match="true, false or null"):
+        parse_options({"regional": "auto"})
+
+
+@pytest.mark.parametrize("family", ["pixart", "flux"])
+def test_regional_sweep_one_graph_per_block_class(deep, clean_dynamo, family):
+    mp = deep[family]
+    dm = mp.model.diffusion_model
+    cm = nexfort_engine.compile(dm, {"backend": "eager", "mode": "O1"}, label=f"regional-{family}")
+    compiled = tm.with_diffusion_model(mp, cm)
+    worst = 0.0
+    for (h, w), cfg, ctx in itertools.product(tm.RESOLUTIONS[family], (1.0, 5.0), (77, 154)):
+        ref = tm.sample(mp, h, w, 1, 3, cfg, ctx)
+        out = tm.sample(compiled, h, w, 1, 3, cfg, ctx)
+        worst = max(worst, tm.rel_err(out, ref))
+        # nothing stays installed between calls: the shared model is plain outside our call
+        assert all(b.__dict__.get("_compiled_call_impl") is None for b in dm.modules())
+    assert worst == 0.0  # backend eager: the same kernels
+    classes = len(regions.find_regions(dm))
+    graphs = int(counters["stats"]["unique_graphs"])
+    assert graphs <= 2 * classes, graphs  # batch 1 and batch 2 per class, nothing per resolution
+    [rec] = clean_dynamo()["models"].values()
+    assert rec["regions"] == [r.name for r in regions.find_regions(dm)]
+    assert rec["compiles"] == graphs and rec["recompiles"] == graphs - classes
+    assert rec["fallbacks"] == 0
+
+
+def test_regional_failure_falls_back_and_uninstalls(deep, clean_dynamo, monkeypatch):
+    mp = deep["pixart"]
+    dm = mp.model.diffusion_model
+    cm = nexfort_engine.compile(dm, {"backend": "aot_eager", "mode": "O1"}, label="regional-broken")
+
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("injected backend failure")
+
+    monkeypatch.setattr(type(cm), "_compile_graph", broken)
+    ref = tm.call_diffusion(mp, 384, 384, 2, 77)
+    out = tm.call_diffusion(mp, 384, 384, 2, 77, diffusion_model=cm)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert cm.failed and "injected backend failure" in cm.failed
+    assert all(b.__dict__.get("_compiled_call_impl") is None for b in dm.modules())
+    assert clean_dynamo()["fallbacks"] == 1
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class _Stack(torch.nn.Module):
+    """The first block gets a transposed view (like Wan's patch embedding), the rest contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+
+    def forward(self, x):  # [B, 16, L]
+        h = x.transpose(1, 2)
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_block_inputs_get_one_layout(clean_dynamo, dynamic):
+    torch.manual_seed(0)
+    net = _Stack()
+    cm = nexfort_engine.compile(net, {"backend": "eager", "mode": "O1", "dynamic": dynamic}, label="stack")
+    for length in ((5,) if not dynamic else (5, 7, 9)):
+        x = torch.randn(2, 16, length)
+        torch.testing.assert_close(cm(x), net(x))
+    assert int(counters["stats"]["unique_graphs"]) == 1
+    [rec] = clean_dynamo()["models"].values()
+    assert rec["regions"] == ["blocks[_Blockx4]"] and rec["recompiles"] == 0
