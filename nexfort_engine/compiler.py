@@ -81,6 +81,14 @@ def _last_recompile_reason() -> str:
     return "unknown"
 
 
+def _with_fp8(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with Fp8LinearMode():
+            return fn(*args, **kwargs)
+
+    return call
+
+
 class CompiledModule(torch.nn.Module):
     """A module compiled lazily by nexfort, falling back to eager on any compile/run failure."""
 
@@ -209,6 +217,9 @@ class CompiledModule(torch.nn.Module):
         def before(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return shapes.prepare_block_inputs(args, kwargs, dynamic)
 
+        if self._nx_settings is not None and self._nx_settings.fp8:
+            # fp8 inside the compiled blocks only: in the eager glue it would run unfused
+            fns = [_with_fp8(fn) for fn in fns]
         installer = regions.Installer(self._nx_regions, fns, before)
         self._nx_first_graphs = len(self._nx_regions)
 
@@ -226,7 +237,8 @@ class CompiledModule(torch.nn.Module):
                 stack.enter_context(self._nx_entry.activate())
             stack.enter_context(shapes.shape_policy(self._nx_config.dynamic, self._nx_config.size_oblivious))
             stack.enter_context(runtime_overrides(self._nx_settings.runtime))
-            if self._nx_settings.fp8:  # traced by Dynamo: quantize + _scaled_mm land in the graph
+            if self._nx_settings.fp8 and not self._nx_regions:
+                # traced by Dynamo: quantize + _scaled_mm land in the graph (regional: per block)
                 stack.enter_context(Fp8LinearMode())
             yield
 

@@ -90,10 +90,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     x2, out_shape = _flatten(x, weight)
     xq, sx = quantize_rowwise(x2)
     wq, sw = quantize_rowwise(weight)
+    # a bf16 model's bias goes into the GEMM's epilogue (no extra pass over the output); fp16
+    # models add it in the cast Inductor fuses anyway. Fast accumulation: Hopper's fp8 MMA
+    # accumulates partial sums in reduced precision, part of what low precision trades.
+    fused_bias = bias is not None and x.dtype == torch.bfloat16 and bias.dtype == torch.bfloat16
     out = torch._scaled_mm(
-        xq.contiguous(), wq.contiguous().t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16
+        xq.contiguous(), wq.contiguous().t(), scale_a=sx, scale_b=sw.t(),
+        bias=bias if fused_bias else None, out_dtype=torch.bfloat16, use_fast_accum=True,
     )
-    if bias is not None:
+    if bias is not None and not fused_bias:
         out = out.float() + bias.float()
     return out.to(x.dtype).reshape(out_shape)
 

@@ -42,8 +42,8 @@ FLAGS: dict[str, str] = {
     "cudagraphs": "CUDA graphs (per-shape graph trees) to remove CPU launch overhead",
     "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",
     "low-precision": (
-        "reduced-precision math: fp8 (e4m3, dynamic rowwise scales) token-wise linears on GPUs with fp8 "
-        "(sm89+), fp16/bf16 reduced-precision reductions, TF32"
+        "reduced-precision math: fp16/bf16 reduced-precision matmul/SDPA reductions, TF32 "
+        "(fp8 linears: the separate \"fp8\" option)"
     ),
     "cache-all": "persist every compile artifact (FX graph, AOTAutograd, autotune, portable cache)",
     "benchmark": "cuDNN benchmark mode for convolutions",
@@ -101,8 +101,8 @@ class CompileConfig:
     #: reason about sizes 0/1 obliviously so batch 1 and batch 2 share one graph (shapes.py).
     #: Off by default: Inductor produced NaN for a DiT at batch 1 from a batch-2 graph with it on.
     size_oblivious: bool = False
-    #: fp8 token-wise linears (fp8.py): None = auto (with ``low-precision`` on a GPU that has fp8);
-    #: True = always (CPU too: correct, not faster); False = never
+    #: fp8 token-wise linears (fp8.py): True = on where the GPU has fp8 (and on CPU: correct, not
+    #: faster); None (auto) and False = off (measured slower than fp16 on SDXL/PixArt, BENCHMARKS.md)
     fp8: bool | None = None
     #: regional compilation (regions.py): compile each stack of identical blocks once; None = auto
     #: (on when such stacks hold most of the weights: DiTs such as PixArt, Flux, Wan)

@@ -134,8 +134,9 @@ def cuda_available() -> bool:
 def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: bool = False) -> Settings:
     """Flags + overrides -> scoped settings for this machine.
 
-    ``fp8_capable``: the device has fp8 tensor cores (:func:`nexfort_engine.fp8.fp8_supported`);
-    with ``config.fp8`` unset, fp8 linears are on when ``low-precision`` survives and this holds.
+    ``fp8_capable``: the device has fp8 tensor cores (:func:`nexfort_engine.fp8.fp8_supported`).
+    fp8 linears are on only with ``"fp8": true``, on such a GPU or on CPU (correct, not faster:
+    for tests); unset (auto) means off, see the comment below.
     """
     cuda = cuda_available() if cuda is None else cuda
     inductor: dict[str, Any] = dict(BASE_INDUCTOR)
@@ -161,10 +162,15 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
             inductor[key] = value
     if not cuda:
         runtime = {}
-    if config.fp8 is None:
-        fp8 = fp8_capable and "low-precision" in config.flags and "low-precision" not in dropped
-    else:
-        fp8 = config.fp8
+    # auto (None) is off: measured on an H200 (BENCHMARKS.md, run8), quantizing weights and
+    # activations inside every call cost more than the fp8 GEMMs saved on SDXL and PixArt (fp16
+    # models) and gained 5 % on Flux; ``"fp8": true`` turns it on (also on CPU, for tests)
+    fp8 = config.fp8 is True and (fp8_capable or not cuda)
+    if config.fp8 is True and not fp8:
+        msg = "this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true"
+        if msg not in _warned:
+            _warned.add(msg)
+            log.warning("nexfort: %s", msg)
     return Settings(inductor=inductor, runtime=runtime, dropped=dropped, fp8=fp8)
 
 

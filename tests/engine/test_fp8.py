@@ -183,10 +183,11 @@ def test_mode_routes_functional_and_module_linears(reference):
 def test_mode_leaves_training_alone():
     lin = torch.nn.Linear(32, 48)
     x = torch.randn(2, 7, 32)
-    with Fp8LinearMode():
-        out = lin(x)
-    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
-    out.sum().backward()
+    with torch.enable_grad():  # the ComfyUI host (booted by other tests) turns grad off
+        with Fp8LinearMode():
+            out = lin(x)
+        torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+        out.sum().backward()
     assert lin.weight.grad is not None
 
 
@@ -208,17 +209,17 @@ def test_low_precision_flag_mentions_fp8():
     assert "fp8" in nexfort_engine.FLAGS["low-precision"]
 
 
-def test_resolve_fp8_auto_forced_and_off():
-    o3, o2 = parse_options({"mode": "O3"}), parse_options({"mode": "O2"})
-    # CPU: low-precision is dropped, so auto is off even if the caller claims fp8
+def test_resolve_fp8_only_when_asked():
+    o3, o2 = parse_options({"mode": "O3"}), parse_options({"mode": "O3", "fp8": True})
+    # auto is off everywhere (measured slower than fp16 on SDXL/PixArt; BENCHMARKS.md run8)
     assert S.resolve(o3, cuda=False).fp8 is False
-    assert S.resolve(o3, cuda=False, fp8_capable=True).fp8 is False
-    assert S.resolve(parse_options({"mode": "O3", "fp8": True}), cuda=False).fp8 is True  # forced
-    # GPU: auto follows low-precision and the device
-    assert S.resolve(o3, cuda=True, fp8_capable=True).fp8 is True
-    assert S.resolve(o3, cuda=True, fp8_capable=False).fp8 is False
-    assert S.resolve(o3, cuda=True).fp8 is False  # the old signature: capability unknown -> off
-    assert S.resolve(o2, cuda=True, fp8_capable=True).fp8 is False
+    assert S.resolve(o3, cuda=True, fp8_capable=True).fp8 is False
+    # forced: on with fp8 tensor cores, and on CPU (correct, for tests)
+    assert S.resolve(o2, cuda=True, fp8_capable=True).fp8 is True
+    assert S.resolve(o2, cuda=False).fp8 is True
+    assert S.resolve(parse_options({"mode": "O1", "fp8": True}), cuda=True, fp8_capable=True).fp8 is True
+    # forced on a GPU without fp8 (e.g. an A100): off, with a warning instead of a failing compile
+    assert S.resolve(o2, cuda=True, fp8_capable=False).fp8 is False
     assert S.resolve(parse_options({"mode": "O3", "fp8": False}), cuda=True, fp8_capable=True).fp8 is False
 
 
@@ -230,10 +231,10 @@ def test_digest_tracks_effective_fp8():
     d_on = S.resolve(on, cuda=False).digest(on)
     assert d_on != d_off
     assert S.resolve(never, cuda=False).digest(never) == d_off  # both off: one cache entry
-    # auto-on and forced-on make the same graph: one entry
-    o3, o3_on = parse_options({"mode": "O3"}), parse_options({"mode": "O3", "fp8": True})
+    # auto (off) and never: one entry
+    o3, o3_never = parse_options({"mode": "O3"}), parse_options({"mode": "O3", "fp8": False})
     auto = S.resolve(o3, cuda=True, fp8_capable=True)
-    assert auto.fp8 and auto.digest(o3) == S.resolve(o3_on, cuda=True, fp8_capable=True).digest(o3_on)
+    assert auto.digest(o3) == S.resolve(o3_never, cuda=True, fp8_capable=True).digest(o3_never)
 
 
 # -- the compiled path

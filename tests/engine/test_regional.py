@@ -155,3 +155,17 @@ def test_block_inputs_get_one_layout(clean_dynamo, dynamic):
     assert int(counters["stats"]["unique_graphs"]) == 1
     [rec] = clean_dynamo()["models"].values()
     assert rec["regions"] == ["blocks[_Blockx4]"] and rec["recompiles"] == 0
+
+
+def test_regional_with_fp8_quantizes_inside_blocks(deep, clean_dynamo):
+    """fp8 forced with regional compilation: the mode is entered per compiled block (the eager
+    glue stays in the model's dtype); output close to eager, visibly quantized, no fallback."""
+    mp = deep["pixart"]
+    dm = mp.model.diffusion_model
+    cm = nexfort_engine.compile(dm, {"backend": "aot_eager", "mode": "O1", "fp8": True}, label="regional-fp8")
+    ref = tm.call_diffusion(mp, 384, 384, 2, 77)
+    out = tm.call_diffusion(mp, 384, 384, 2, 77, diffusion_model=cm)
+    err = tm.rel_err(out, ref)
+    assert 0 < err < 0.1, err
+    [rec] = clean_dynamo()["models"].values()
+    assert rec["fp8"] is True and rec["fallbacks"] == 0 and rec["regions"]
