@@ -193,6 +193,19 @@ def one_line(r: dict[str, Any]) -> str:
             f"err_vs_eager={_f(err, '.3g')} lossless={r.get('lossless', '')}")
 
 
+def series_label(r: dict[str, Any]) -> str:
+    """``ComfyUI TorchCompile`` or ``nexfort <mode>`` plus the non-default options of the run."""
+    if r["compiler"] != "nexfort":
+        return LABEL.get(r["compiler"], r["compiler"])
+    try:
+        cfg = json.loads(r.get("compiler_config") or "{}")
+    except ValueError:
+        return f"nexfort {r.get('compiler_config')}"
+    parts = [str(cfg.pop("mode", "O2"))]
+    parts += [f"{k}={json.dumps(v)}" for k, v in sorted(cfg.items())]
+    return "nexfort " + ", ".join(parts)
+
+
 def chart(docs: list[dict[str, Any]], path: Path) -> str:
     """Bar chart of speed-up over eager per model column and compiler. Returns a status message."""
     try:
@@ -202,30 +215,31 @@ def chart(docs: list[dict[str, Any]], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "chart skipped: matplotlib is not installed (pip install matplotlib)"
-    table = _pick(flatten(docs))
+    rows = flatten(docs)
+    table = _pick(rows)
     cols = [c for c in table if table[c].get("none", {}).get("it_s")]
     if not cols:
         return "chart skipped: no eager (--compiler none) baseline with it/s"
-    comps = [c for c in ("comfy", "nexfort") if any(c in table[k] for k in cols)]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cols)), 4))
-    width = 0.8 / max(len(comps), 1)
-    for i, comp in enumerate(comps):
-        ys = []
-        for c in cols:
-            r = table[c].get(comp)
-            base = table[c]["none"]["it_s"]
-            ys.append(r["it_s"] / base if r and r.get("it_s") else 0.0)
-        xs = [j + (i - (len(comps) - 1) / 2) * width for j in range(len(cols))]
-        bars = ax.bar(xs, ys, width, label=LABEL[comp])
+    # one series per compiler and mode (the last run of each wins), so every mode measured shows
+    series: dict[str, dict[tuple, dict[str, Any]]] = {}
+    for r in rows:
+        if r["compiler"] != "none" and r.get("it_s") and column_key(r) in cols:
+            series.setdefault(series_label(r), {})[column_key(r)] = r
+    fig, ax = plt.subplots(figsize=(max(7, 1.9 * len(cols)), 4.5))
+    width = 0.84 / max(len(series), 1)
+    for i, (label, runs) in enumerate(series.items()):
+        ys = [runs[c]["it_s"] / table[c]["none"]["it_s"] if c in runs else 0.0 for c in cols]
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cols))]
+        bars = ax.bar(xs, ys, width, label=label)
         for b, y in zip(bars, ys, strict=False):
             if y:
-                ax.annotate(f"{y:.2f}x", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
+                ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=6)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(cols)))
     ax.set_xticklabels([f"{c[1]}\n{c[3]}x{c[2]}" for c in cols], fontsize=8)
     ax.set_ylabel("speed-up over eager (it/s)")
     ax.set_title(f"{cols[0][0]}: ComfyUI sampling, steady it/s")
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
