@@ -33,3 +33,37 @@ def test_compile_model_patcher_on_each_family(patcher, comfy_inproc, fresh_stats
     assert rec["state"] == "compiled" and rec["fallbacks"] == 0, rec["fallback_reasons"]
     # a new step count reuses the graph (the schedule length is symbolic)
     assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]
+
+
+@pytest.mark.parametrize("family", ["pixart", "flux"])
+def test_regional_dit_through_the_glue_with_lora_like_patches(patcher, comfy_inproc, fresh_stats, family):
+    """Deeper tiny DiTs compile regionally (the auto default) through the node glue; a weight patch
+    on a block (how ComfyUI applies a LoRA) reaches the shared block graph: equal to eager, patched
+    output differs from unpatched, strength changes and removal never compile again."""
+    import torch
+
+    mp = tm.tiny_pixart(seed=12, depth=5) if family == "pixart" else tm.tiny_flux(seed=12, depth=4, depth_single=4)
+    cfg = nexfort_engine.parse_options(EAGER)
+    block = "blocks.4" if family == "pixart" else "single_blocks.3"
+    key = next(k for k, v in mp.model_state_dict().items()
+               if k.startswith(f"diffusion_model.{block}.") and k.endswith(".weight") and v.dim() == 2)
+    w = mp.model_state_dict()[key]
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * w.abs().mean() * 8
+    (h, w_px) = tm.RESOLUTIONS[family][1]
+    cfg_scale = 1.0 if family == "flux" else 5.0
+    outs, compiles = [], []
+    for strength in (None, 1.0, 0.5, None):
+        base = mp.clone()
+        if strength is not None:
+            base.add_patches({key: (delta,)}, strength)
+        compiled = patcher.compile_model_patcher(base, cfg, node_id=f"r-{family}")
+        out = tm.sample(compiled, h, w_px, 1, 3, cfg_scale, 77)
+        ref = tm.sample(base, h, w_px, 1, 3, cfg_scale, 77)
+        assert tm.rel_err(out, ref) <= TOL, f"strength {strength}"
+        outs.append(out)
+        compiles.append(fresh_stats()["compiles"])
+    assert tm.rel_err(outs[1], outs[0]) > 1e-3 and tm.rel_err(outs[2], outs[1]) > 1e-3
+    assert tm.rel_err(outs[3], outs[0]) <= TOL
+    assert compiles[0] == compiles[1] == compiles[2] == compiles[3], compiles
+    rec = next(r for r in fresh_stats()["models"].values() if f"r-{family}" in r["node_ids"])
+    assert rec["regions"] and rec["fallbacks"] == 0 and rec["recompiles"] == 0, rec
