@@ -24,11 +24,12 @@ Used by :class:`nexfort_engine.compiler.CompiledModule` when the ``regional`` op
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+
+from .cache.store import structure_digest
 
 #: called with a block's (args, kwargs) before its compiled forward; returns the ones to pass
 Prepare = Callable[[tuple, dict], tuple[tuple, dict]]
@@ -53,14 +54,9 @@ class Region:
 
 
 def block_signature(block: torch.nn.Module) -> str:
-    """Class, printed architecture, and every parameter/buffer's name, shape and dtype."""
-    h = hashlib.sha256()
-    cls = type(block)
-    h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
-    h.update(repr(block).encode())
-    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-    return h.hexdigest()[:16]
+    """Class, printed architecture, and every parameter/buffer's name, shape and dtype (the cache's
+    structure digest: blocks with equal signatures trace to the same graph)."""
+    return structure_digest(block)
 
 
 def _has_hooks(block: torch.nn.Module) -> bool:
