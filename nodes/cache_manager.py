@@ -75,7 +75,11 @@ def report(store: CacheStore, message: str = "") -> str:
         f"misses={s['cache_misses']} fallbacks={s['fallbacks']} compile time={s['compile_seconds']:.1f}s"
     )
     for label, m in s["models"].items():
-        lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, hits={m['cache_hits']}")
+        how = ("regional: " + ", ".join(m["regions"])) if m.get("regions") else "whole model"
+        if m.get("fp8"):
+            how += ", fp8 linears"
+        lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "
+                     f"hits={m['cache_hits']} ({how})")
         for r in m["recompile_reasons"][-3:]:
             lines.append(f"    recompile: {r}")
         for r in m["fallback_reasons"][-3:]:
