@@ -111,8 +111,6 @@ class CompiledModule(torch.nn.Module):
         self._nx_entry: CacheEntry | None = None
         self._nx_env: dict[str, str] | None = None
         self._nx_graphs = 0
-        #: graphs one first call is expected to make: 1, or one per region (regional compilation)
-        self._nx_first_graphs = 1
         self._nx_regions: list[regions.Region] = []
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
@@ -172,13 +170,17 @@ class CompiledModule(torch.nn.Module):
         device = str(example.device) if example is not None else "cpu"
         fp8_capable = example is not None and fp8_supported(example.device)
         self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"), fp8_capable=fp8_capable)
-        counters.set_info(self._nx_label, fp8=self._nx_settings.fp8)
+        if self._nx_method == "forward":
+            self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
+        counters.set_info(self._nx_label, fp8=self._nx_settings.fp8, regions=[r.name for r in self._nx_regions])
         self._nx_cudagraphs = bool(self._nx_settings.inductor.get("triton.cudagraphs")) and (
             self._nx_config.backend == "inductor"
         )
         if self._nx_store is not None:
             self._nx_env = environment_fingerprint(device)
             structure = f"{structure_digest(self._orig_mod)}.{self._nx_method}"
+            if self._nx_regions:  # what was decided, not the option: auto and true share an entry
+                structure += ".regional"
             key = entry_key(structure, self._nx_settings.digest(self._nx_config), self._nx_env)
             self._nx_entry = self._nx_store.entry(key)
             old_label = self._nx_label
@@ -186,13 +188,10 @@ class CompiledModule(torch.nn.Module):
             counters.rename(old_label, self._nx_label)
             counters.set_info(self._nx_label, cache_key=key)
         target = self._orig_mod if self._nx_method == "forward" else getattr(self._orig_mod, self._nx_method)
-        if self._nx_method == "forward":
-            self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
         if self._nx_regions:
             self._nx_compiled = self._compile_regions(target)
         else:
             self._nx_compiled = self._torch_compile(target)
-        counters.set_info(self._nx_label, regions=[r.name for r in self._nx_regions])
 
     def _torch_compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(
@@ -221,7 +220,6 @@ class CompiledModule(torch.nn.Module):
             # fp8 inside the compiled blocks only: in the eager glue it would run unfused
             fns = [_with_fp8(fn) for fn in fns]
         installer = regions.Installer(self._nx_regions, fns, before)
-        self._nx_first_graphs = len(self._nx_regions)
 
         def call(*args: Any, **kwargs: Any) -> Any:
             with installer.installed():
@@ -282,7 +280,8 @@ class CompiledModule(torch.nn.Module):
         label = self._nx_label
         first = self._nx_graphs == new
         counters.bump(label, "compiles", new)
-        recompiles = max(0, new - self._nx_first_graphs) if first else new
+        # a first call makes one graph, or one per region under regional compilation
+        recompiles = max(0, new - (len(self._nx_regions) or 1)) if first else new
         if recompiles:
             counters.bump(label, "recompiles", recompiles)
             counters.add_reason(label, "recompile", _last_recompile_reason())

@@ -119,8 +119,11 @@ class Settings:
         for k in ("flags", "overrides", "mode"):
             d.pop(k, None)
         d.update(inductor=self.inductor, runtime=self.runtime)
-        d.pop("fp8", None)  # the config's request; what counts is the effective value
-        if self.fp8:  # only when on, so keys made before the fp8 option stay valid
+        # the config's requests; what counts is the effective value (fp8 here, regional in the
+        # entry's structure key: compiler.py), so keys made before these options stay valid
+        d.pop("fp8", None)
+        d.pop("regional", None)
+        if self.fp8:
             d["fp8"] = True
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

@@ -169,3 +169,15 @@ def test_regional_with_fp8_quantizes_inside_blocks(deep, clean_dynamo):
     assert 0 < err < 0.1, err
     [rec] = clean_dynamo()["models"].values()
     assert rec["fp8"] is True and rec["fallbacks"] == 0 and rec["regions"]
+
+
+def test_cache_key_follows_the_regional_decision(deep, clean_dynamo, tmp_path):
+    """auto and true compile the same regions: one cache entry; whole-model compiles another."""
+    mp = deep["pixart"]
+    keys = {}
+    for regional in (None, True, False):
+        cm = nexfort_engine.compile(mp.model.diffusion_model, {"backend": "eager", "mode": "O1", "regional": regional},
+                                    cache_dir=tmp_path, label=f"key-{regional}")
+        tm.call_diffusion(mp, 384, 384, 2, 77, diffusion_model=cm)
+        keys[regional] = cm.cache_entry.key
+    assert keys[None] == keys[True] != keys[False]
