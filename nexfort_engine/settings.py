@@ -103,6 +103,13 @@ BASE_INDUCTOR: dict[str, Any] = {"fx_graph_cache": True, "fx_graph_remote_cache"
 _warned: set[str] = set()
 
 
+def _warn_once(msg: str) -> None:
+    """One warning per distinct message, not per compile."""
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning("nexfort: %s", msg)
+
+
 @dataclass(frozen=True)
 class Settings:
     inductor: dict[str, Any] = field(default_factory=dict)
@@ -146,10 +153,7 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
     runtime: dict[str, bool] = {}
     dropped = tuple(f for f in config.flags if f in GPU_ONLY and not cuda)
     if dropped:
-        msg = f"no CUDA device: ignoring GPU-only mode flag(s) {', '.join(dropped)}"
-        if msg not in _warned:  # one warning per distinct message, not per compile
-            _warned.add(msg)
-            log.warning("nexfort: %s", msg)
+        _warn_once(f"no CUDA device: ignoring GPU-only mode flag(s) {', '.join(dropped)}")
     for flag in config.flags:
         if flag in dropped:
             continue
@@ -170,10 +174,7 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
     # models) and gained 5 % on Flux; ``"fp8": true`` turns it on (also on CPU, for tests)
     fp8 = config.fp8 is True and (fp8_capable or not cuda)
     if config.fp8 is True and not fp8:
-        msg = "this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true"
-        if msg not in _warned:
-            _warned.add(msg)
-            log.warning("nexfort: %s", msg)
+        _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")
     return Settings(inductor=inductor, runtime=runtime, dropped=dropped, fp8=fp8)
 
 
