@@ -245,3 +245,69 @@ def achieved(flops_per_step: int | None, it_s: float | None, peak: dict[str, Any
     tflops = flops_per_step * it_s / 1e12
     p = peak.get(dtype_key)
     return {"achieved_tflops": tflops, "pct_of_peak": 100.0 * tflops / p if p else None}
+
+
+#: kernel name fragment -> category, first match wins (lower-case names; cuBLAS/cuDNN/CUTLASS/
+#: Triton/ATen naming on Hopper; "other" collects the rest)
+KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("conv", ("conv", "fprop", "dgrad", "wgrad", "winograd", "implicit_convolve")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "ampere_", "hopper", "cublas", "matmul",
+              "scaled_mm", "::mm", "addmm", "bmm")),
+    ("triton", ("triton",)),
+    ("norm", ("norm",)),
+    ("copy", ("memcpy", "memset", "copy", "cat")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "unrolled", "index")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def _device_us(evt: Any) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total"):
+        v = getattr(evt, attr, None)
+        if v:
+            return float(v)
+    return 0.0
+
+
+def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: bool = True) -> dict[str, Any]:
+    """GPU kernel time of one profiled sampling run, per step: by category and the top kernels
+    (``cuda=False``: self CPU time of the ``aten::`` ops instead, for CPU runs).
+
+    ``gpu_busy_ms_per_step`` vs ``wall_ms_per_step`` shows how much of a step the GPU idles
+    (launch overhead, host work between kernels); the profiler itself adds host overhead, so the
+    wall figure is an upper bound.
+    """
+    steps = max(steps, 1)
+    kernels: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        if cuda:
+            us = _device_us(evt) if str(getattr(evt, "device_type", "")).endswith("CUDA") else 0.0
+        else:
+            us = float(evt.self_cpu_time_total) if evt.key.startswith("aten::") else 0.0
+        if us > 0:
+            k = kernels.setdefault(evt.key, [0.0, 0])
+            k[0] += us
+            k[1] += int(evt.count)
+    total_us = sum(v[0] for v in kernels.values())
+    cats: dict[str, float] = {}
+    for name, (us, _) in kernels.items():
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + us
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "steps": steps,
+        "wall_ms_per_step": 1000.0 * wall_s / steps,
+        "gpu_busy_ms_per_step": total_us / 1000.0 / steps,
+        "kernels_per_step": sum(v[1] for v in kernels.values()) / steps,
+        "by_category_ms_per_step": {c: round(us / 1000.0 / steps, 3) for c, us in
+                                    sorted(cats.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:160], "category": kernel_category(n), "ms_per_step": round(us / 1000.0 / steps, 3),
+                         "calls_per_step": round(c / steps, 1)} for n, (us, c) in ranked],
+    }

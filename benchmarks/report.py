@@ -171,12 +171,32 @@ def sweep_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + ("\n" if out else "")
 
 
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    """``--profile`` runs: kernel time per step by category (ms), the GPU's busy share of a step."""
+    prof = [r for r in rows if r.get("profile")]
+    if not prof:
+        return ""
+    cats = sorted({c for r in prof for c in r["profile"]["by_category_ms_per_step"]})
+    out = ["| model | compiler | config | wall ms/step | busy ms/step | kernels/step | " + " | ".join(cats) + " |",
+           "| --- " * (6 + len(cats)) + "|"]
+    for r in prof:
+        p = r["profile"]
+        by = p["by_category_ms_per_step"]
+        out.append(f"| {r['model']} {r['width']}x{r['height']} | {r['compiler']} | `{r.get('compiler_config') or ''}` | "
+                   f"{p['wall_ms_per_step']:.2f} | {p['gpu_busy_ms_per_step']:.2f} | {p['kernels_per_step']:.0f} | "
+                   + " | ".join(_f(by.get(c), ".2f") for c in cats) + " |")
+    return "\n".join(out) + "\n"
+
+
 def render(docs: list[dict[str, Any]]) -> str:
     rows = flatten(docs)
     parts = ["### Metric\n", metrics_table(rows), "\n### Summary\n", summary_table(rows)]
     sw = sweep_table(rows)
     if sw:
         parts += ["\n### Dynamic shape (run_multiple_resolutions)\n", sw]
+    pt = profile_table(rows)
+    if pt:
+        parts += ["\n### Where the time goes (--profile, kernel ms per step)\n", pt]
     envs = {json.dumps({k: d.get("env", {}).get(k) for k in ("gpu", "torch", "triton", "comfyui", "cuda")},
                        sort_keys=True) for d in docs}
     parts.append("\nEnvironment: " + "; ".join(sorted(envs)) + "\n")

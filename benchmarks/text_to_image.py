@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sweep 4 resolutions x 2 step counts x 2 prompt lengths and report recompiles")
     p.add_argument("--fp32-reference", choices=["auto", "always", "never"], default="auto",
                    help="float32 eager reference run (auto: when it fits in GPU memory)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, profile one sampling run: GPU kernel time per step by category")
     p.add_argument("--warm-cache-check", action="store_true",
                    help="re-run the compile in a second process on the same cache dir (warm-up with warm cache)")
     p.add_argument("--cache-dir", type=Path, default=None,
@@ -173,6 +175,19 @@ class Runner:
         metrics.sync(self.device)
         e2e = time.perf_counter() - t0
         return out, {"e2e_s": e2e, "it_s": timer.it_per_s(), "steps_seen": len(timer.marks)}
+
+    def profile(self, mp: Any, height: int, width: int, steps: int) -> dict[str, Any]:
+        """One sampling run under ``torch.profiler``: GPU kernel time per step by category."""
+        import torch
+
+        from benchmarks import metrics
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            _, m = self.run(mp, height, width, steps)
+        return metrics.kernel_breakdown(prof, steps, m["e2e_s"], cuda=self.device.type == "cuda")
 
     def inputs(self, mp: Any, height: int, width: int, text_len: int | None = None) -> tuple[Any, Any, list, list]:
         """(empty latent, noise, positive, negative) exactly as :meth:`run` samples them."""
@@ -460,6 +475,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     # the optional stages below may be cut off by a time budget (SIGINT): keep what was measured
     try:
+        if args.profile:
+            result["profile"] = runner.profile(target, height, width, args.steps)
         if args.warm_cache_check:
             result["warmup_warm_cache_s"], result["warm_child"] = warm_cache_check(args)
         if args.run_multiple_resolutions:

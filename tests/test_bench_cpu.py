@@ -45,7 +45,7 @@ def _bench(tmp_path: Path, name: str, *extra: str) -> dict:
 def results(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("bench")
     return {
-        "none": _bench(tmp, "none", "--compiler", "none"),
+        "none": _bench(tmp, "none", "--compiler", "none", "--profile"),
         "nexfort": _bench(tmp, "nexfort", "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}',
                           "--cfg", "2"),
         "_dir": {"path": str(tmp)},
@@ -87,6 +87,7 @@ def test_report_merges_runs(results, tmp_path):
     assert "it/s (" in nexfort_row and "%)" in nexfort_row  # speed-up against the eager column
     summary = [line for line in md.splitlines() if line.startswith("| CPU | flux |")]
     assert len(summary) == 2
+    assert "### Where the time goes" in md  # the eager run was profiled
     msg = report.chart(docs, tmp_path / "chart.png")
     assert msg.startswith("chart written") or "matplotlib is not installed" in msg
 
@@ -161,3 +162,31 @@ def test_report_tflops_column(results):
         md_old = report.render(report.load(old[:1]))
         row = next(line for line in md_old.splitlines() if line.startswith("| NVIDIA"))
         assert row.split("|")[col].strip() == ""
+
+
+def test_profile_breakdown(results):
+    """--profile: one profiled sampling run, op time per step by category (CPU: self time of aten ops)."""
+    p = results["none"]["profile"]
+    assert p["steps"] == 3 and p["wall_ms_per_step"] > 0
+    assert 0 < p["gpu_busy_ms_per_step"] <= p["wall_ms_per_step"]
+    cats = p["by_category_ms_per_step"]
+    assert cats.get("gemm", 0) > 0  # aten::mm / addmm / linear of the tiny Flux
+    assert abs(sum(cats.values()) - p["gpu_busy_ms_per_step"]) < 0.01 * p["gpu_busy_ms_per_step"] + 0.01 * len(cats)
+    top = p["top_kernels"]
+    assert top and top[0]["ms_per_step"] >= top[-1]["ms_per_step"]
+
+
+def test_kernel_category():
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.metrics import kernel_category
+    finally:
+        sys.path.remove(str(REPO))
+
+    assert kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kernel_category("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert kernel_category("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "conv"
+    assert kernel_category("triton_red_fused_native_group_norm_silu_3") == "triton"
+    assert kernel_category("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
+    assert kernel_category("aten::mm") == "gemm" and kernel_category("aten::addmm") == "gemm"
