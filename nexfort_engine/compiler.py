@@ -18,6 +18,7 @@ recompile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -170,6 +171,11 @@ class CompiledModule(torch.nn.Module):
         device = str(example.device) if example is not None else "cpu"
         fp8_capable = example is not None and fp8_supported(example.device)
         self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"), fp8_capable=fp8_capable)
+        layout = shapes.layout_patches(self._orig_mod, self._nx_config.dynamic, device.startswith("cuda"))
+        if layout and self._nx_config.backend == "inductor":
+            self._nx_settings = dataclasses.replace(
+                self._nx_settings, inductor={**self._nx_settings.inductor, **layout}
+            )
         if self._nx_method == "forward":
             self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
         counters.set_info(self._nx_label, fp8=self._nx_settings.fp8, regions=[r.name for r in self._nx_regions])

@@ -143,3 +143,28 @@ def to_memory_format(args: tuple, kwargs: dict, memory_format: torch.memory_form
         return v
 
     return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+
+
+#: a module with at least this many convolutions is a conv net (UNet, VAE), not a DiT's patch embed
+MIN_CONVS = 4
+
+
+def conv_count(module: torch.nn.Module) -> int:
+    return sum(isinstance(m, torch.nn.modules.conv._ConvNd) for m in module.modules())
+
+
+def layout_patches(module: torch.nn.Module, dynamic: bool, cuda: bool) -> dict[str, Any]:
+    """Inductor patches that keep a conv net channels-last under dynamic shape.
+
+    Inductor converts a static-shape conv net's activations to channels-last (the layout cuDNN's
+    convolutions run natively), but declines as soon as a convolution has a symbolic size
+    (``GraphLowering.decide_layout_opt``, pytorch#102670). cuDNN then transposes every input and
+    output of every convolution: on an H200, SD2.1 768² spent 3.6 of 19 GPU-ms per step in
+    ``nchwToNhwc``/``nhwcToNchw`` kernels with symbolic shapes, none with static ones (BENCHMARKS.md,
+    run12). ``force_layout_optimization`` makes Inductor take the channels-last layout regardless;
+    weights stay as they are (live parameters, LoRA-safe), Inductor converts them inside the graph.
+    GPU only: on CPU Inductor picks the layout itself.
+    """
+    if not (dynamic and cuda) or conv_count(module) < MIN_CONVS:
+        return {}
+    return {"force_layout_optimization": True}

@@ -101,3 +101,21 @@ def test_plain_dynamic_true_recompiles_on_the_same_sweep(zoo, family, clean_dyna
     print(f"\n{family}: plain torch.compile(dynamic=True) made {graphs} graph(s) over {runs} sampler runs")
     assert worst <= 1e-4
     assert graphs > 2, f"{family}: plain dynamic=True made only {graphs} graph(s) on this sweep"
+
+
+def test_conv_nets_keep_channels_last_under_dynamic_shape():
+    """shapes.layout_patches: Inductor's channels-last layout is forced for conv nets compiled with
+    symbolic shapes on a GPU (else cuDNN transposes every conv's input and output), and only there:
+    not for DiTs (a patch-embed conv), static shapes (Inductor decides itself) or the CPU."""
+    from nexfort_engine import shapes
+
+    unet = tm.tiny_sd15().model.diffusion_model
+    dit = tm.tiny_pixart().model.diffusion_model
+    assert shapes.conv_count(unet) >= shapes.MIN_CONVS > shapes.conv_count(dit)
+    assert shapes.layout_patches(unet, dynamic=True, cuda=True) == {"force_layout_optimization": True}
+    assert shapes.layout_patches(unet, dynamic=False, cuda=True) == {}
+    assert shapes.layout_patches(unet, dynamic=True, cuda=False) == {}
+    assert shapes.layout_patches(dit, dynamic=True, cuda=True) == {}
+    import torch._inductor.config as inductor_config
+
+    assert hasattr(inductor_config, "force_layout_optimization")  # the key exists in this torch
