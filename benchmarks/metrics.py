@@ -311,3 +311,25 @@ def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: 
         "top_kernels": [{"name": n[:160], "category": kernel_category(n), "ms_per_step": round(us / 1000.0 / steps, 3),
                          "calls_per_step": round(c / steps, 1)} for n, (us, c) in ranked],
     }
+
+
+def compile_phases(min_s: float = 0.5) -> dict[str, float]:
+    """Dynamo/Inductor's own phase timers (``torch._dynamo.utils.compile_times``), seconds summed
+    over every compile so far in this process, phases of at least ``min_s``. Phases nest
+    (``_compile.compile_inner`` contains ``bytecode_tracing`` and ``OutputGraph.call_user_compiler``),
+    so they do not add up; they say where a warm-up went (tracing, cache loads, kernel loads)."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+    except Exception:  # noqa: BLE001 - diagnostics only, API differs between torch versions
+        return {}
+    out = {}
+    for name, value in zip(names, values, strict=False):
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            continue
+        if v >= min_s:
+            out[name] = round(v, 2)
+    return out

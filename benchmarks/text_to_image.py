@@ -437,6 +437,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         latent, m = runner.run(target, height, width, args.steps)
         result["warmup_s"] = m["e2e_s"]
         result["counts_after_warmup"] = metrics.compile_counts(args.compiler, graphs0)
+        result["compile_phases_s"] = metrics.compile_phases()
     else:
         latent = eager_latent
 
@@ -519,7 +520,7 @@ def warm_cache_check(args: argparse.Namespace) -> tuple[float | None, dict]:
         if proc.returncode != 0 or not out.is_file():
             return None, {"rc": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
         child = json.loads(out.read_text())["runs"][0]
-    keep = ("warmup_s", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses", "cache_dir_was_empty")
+    keep = ("warmup_s", "compile_phases_s", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses", "cache_dir_was_empty")
     return child.get("warmup_s"), {k: child.get(k) for k in keep}
 
 
