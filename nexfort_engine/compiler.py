@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,7 +31,7 @@ import torch
 from . import counters, regions, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR
-from .fp8 import Fp8LinearMode, fp8_supported
+from .fp8 import Fp8LinearMode, ModuleWeights, fp8_supported
 from .options import CompileConfig, parse_options
 from .settings import Settings, resolve, runtime_overrides
 
@@ -116,6 +117,8 @@ class CompiledModule(torch.nn.Module):
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         self._nx_cudagraphs = False
+        #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
+        self._nx_fp8: ModuleWeights | None = None
         self._nx_memory_format = (
             torch.channels_last if config.memory_format == "channels_last" else None
         )
@@ -179,6 +182,9 @@ class CompiledModule(torch.nn.Module):
         if self._nx_method == "forward":
             self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
         counters.set_info(self._nx_label, fp8=self._nx_settings.fp8, regions=[r.name for r in self._nx_regions])
+        if self._nx_settings.fp8:
+            self._nx_fp8 = ModuleWeights(self._orig_mod)
+            weakref.finalize(self, self._nx_fp8.release)  # its graphs go with it
         self._nx_cudagraphs = bool(self._nx_settings.inductor.get("triton.cudagraphs")) and (
             self._nx_config.backend == "inductor"
         )
@@ -262,6 +268,8 @@ class CompiledModule(torch.nn.Module):
         assert self._nx_compiled is not None
         graphs0 = self._nx_graphs
         hit0, miss0 = _fx_counters()
+        if self._nx_fp8 is not None:  # outside the graph: CUDA-graph replays skip the op's Python
+            self._nx_fp8.refresh()
         t0 = time.perf_counter()
         with self._scope():
             if graphs0 == 0:
@@ -325,6 +333,8 @@ class CompiledModule(torch.nn.Module):
         if root is not err:
             reason = f"{type(err).__name__}: {reason}"
         self._nx_failed = reason
+        if self._nx_fp8 is not None:  # the compiled graphs will not run again
+            self._nx_fp8.release()
         counters.bump(self._nx_label, "fallbacks")
         counters.add_reason(self._nx_label, "fallback", reason)
         counters.set_info(self._nx_label, state="fallback")

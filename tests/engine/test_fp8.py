@@ -1,5 +1,6 @@
 """fp8 linears (``nexfort_engine.fp8``): the ``_scaled_mm`` fast path against its torch twin on odd
-shapes, the eligibility rules, the TorchFunctionMode, the ``fp8`` option and the compiled path.
+shapes, the eligibility rules, the TorchFunctionMode, the weight cache (quantized once per weight
+version, re-quantized in place), the ``fp8`` option and the compiled path.
 
 ``torch._scaled_mm`` runs on CPU with rowwise scales in recent torch (2.14; 2.11 allows only
 per-tensor scales there, so the tests that run the fast path on CPU are skipped on it). The fast
@@ -22,16 +23,22 @@ from torch._dynamo.utils import counters as dynamo_counters
 import nexfort_engine
 from nexfort_engine import OptionsError, parse_options
 from nexfort_engine import compiler as compiler_mod
+from nexfort_engine import fp8 as fp8_mod
 from nexfort_engine import settings as S
 from nexfort_engine.fp8 import (
+    CACHE,
     Fp8LinearMode,
+    ModuleWeights,
+    clear_cache,
     eligible,
     fp8_linear,
+    fp8_linear_cached,
     fp8_linear_reference,
     fp8_supported,
     quantize_rowwise,
 )
 
+FP8_OP = torch.ops.nexfort.fp8_mm_cached.default
 REF_TOL = 6e-2
 FAST_TOL = 1e-2
 COMPILED_TOL = 3e-2
@@ -191,6 +198,117 @@ def test_mode_leaves_training_alone():
     assert lin.weight.grad is not None
 
 
+# -- the weight cache
+
+
+@pytest.fixture
+def cache():
+    """The process-wide fp8 weight cache, empty before and after the test."""
+    clear_cache()
+    CACHE.stats.update(dict.fromkeys(CACHE.stats, 0))
+    yield CACHE
+    clear_cache()
+
+
+def _entry(w: torch.Tensor):
+    return CACHE._entries[fp8_mod._key(w)]
+
+
+@needs_cpu_fast_path
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape, n", SHAPES, ids=[f"{s}x{n}" for s, n in SHAPES])
+@torch.no_grad()
+def test_cached_path_matches_reference(cache, shape, n, dtype, bias):
+    x, w, b = _inputs(shape, n, dtype, bias=bias)
+    want = fp8_linear(x, w, b)  # same numbers: the same quantization, the same GEMM
+    miss = fp8_linear_cached(x, w, b)  # inline, queued
+    assert len(cache) == 0 and cache.refresh() == 1 and len(cache) == 1
+    hit = fp8_linear_cached(x, w, b)
+    assert cache.stats["hits"] == 1 and cache.stats["inline"] == 1
+    for got in (miss, hit):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert rel_l2(got, fp8_linear_reference(x, w, b)) < FAST_TOL
+
+
+@needs_cpu_fast_path
+@torch.no_grad()
+def test_in_place_patch_requantizes_in_place(cache):
+    x, w, b = _inputs((2, 9, 64), 32, torch.bfloat16)
+    fp8_linear_cached(x, w, b)
+    cache.refresh()
+    q, scale = _entry(w).q, _entry(w).scale
+    ptrs = q.data_ptr(), scale.data_ptr()
+    before = fp8_linear_cached(x, w, b)
+    assert cache.refresh() == 0  # nothing changed: nothing quantized
+
+    w.add_(torch.randn_like(w))  # LoRA-like, in place: a new version
+    assert cache.refresh() == 1
+    want_q, want_s = quantize_rowwise(w)
+    assert (q.data_ptr(), scale.data_ptr()) == ptrs  # rewritten, not reallocated
+    assert torch.equal(q.float(), want_q.float()) and torch.equal(scale, want_s)
+    after = fp8_linear_cached(x, w, b)
+    assert rel_l2(after, before) > 0.1
+    torch.testing.assert_close(after, fp8_linear(x, w, b), rtol=0, atol=0)
+
+    w.copy_(torch.randn_like(w))  # without a refresh: the op re-quantizes (in place) itself
+    torch.testing.assert_close(fp8_linear_cached(x, w, b), fp8_linear(x, w, b), rtol=0, atol=0)
+    assert cache.stats["requantized"] == 2 and q.data_ptr() == ptrs[0]
+
+
+@needs_cpu_fast_path
+@torch.no_grad()
+def test_dead_weights_are_dropped_unless_captured(cache):
+    x = torch.randn(1, 3, 32)
+    ws = [torch.randn(16, 32) for _ in range(3)]
+    for w in ws:
+        fp8_linear_cached(x, w)
+    cache.refresh()
+    assert len(cache) == 3 and cache.nbytes() == 3 * (16 * 32 + 16 * 4)
+    _entry(ws[1]).captured = True  # as if a CUDA graph read it: it must outlive the graph
+    del ws[:2]  # freed at once, without waiting for a refresh (a model unloaded between calls)
+    assert len(cache) == 2 and cache.stats["dropped"] == 1
+    cache.refresh()
+    assert len(cache) == 2
+    clear_cache()
+    assert len(cache) == 0 and cache.nbytes() == 0
+
+
+@needs_cpu_fast_path
+@torch.no_grad()
+def test_inference_tensors_replaced_or_invalidated(cache):
+    """ComfyUI loads and patches weights under inference_mode: no version counter. A replaced
+    parameter (ComfyUI's default LoRA patching) is another storage; an in-place change needs
+    invalidate()."""
+    lin = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        lin.weight = torch.nn.Parameter(lin.weight.clone(), requires_grad=False)
+        x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+        slots = ModuleWeights(lin)
+        with Fp8LinearMode():
+            lin(x)
+        slots.refresh()
+        assert len(cache) == 1 and _entry(lin.weight).version is None
+
+        lin.weight.mul_(2)  # in place, invisible to the cache...
+        assert slots.refresh() == 0
+        slots.invalidate()  # ...until the host says so
+        assert slots.refresh() == 1
+
+        # replaced: quantized by the refresh before the call (the slot is known), then a hit
+        lin.weight = torch.nn.Parameter(torch.randn_like(lin.weight), requires_grad=False)
+        assert slots.refresh() == 1
+        hits = cache.stats["hits"]
+        with Fp8LinearMode():
+            out = lin(x)
+        assert cache.stats["hits"] == hits + 1
+        torch.testing.assert_close(out, fp8_linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+        _entry(lin.weight).captured = True  # shared with a module whose CUDA graph read it: kept
+        slots.release()
+        assert len(cache) == 1
+        clear_cache()
+        assert len(cache) == 0
+
 # -- options and settings
 
 
@@ -273,7 +391,9 @@ def test_compiled_fp8_matches_reference_and_sees_weight_patches(fresh_stats, gra
     assert rel_l2(out, _eager_reference(model, x, t)) < COMPILED_TOL
     assert rel_l2(out, model(x, t)) < REF_TOL  # and close to the model itself
     assert not dynamo_counters["graph_break"], dict(dynamo_counters["graph_break"])
-    assert graph_targets.count(torch._scaled_mm) == 2  # fc1, fc2; the 2-D emb stays F.linear
+    # fc1, fc2 through the cached-weight op (no weight quantization in the graph); the 2-D emb
+    # stays F.linear
+    assert graph_targets.count(FP8_OP) == 2 and torch._scaled_mm not in graph_targets
     assert F.linear in graph_targets
 
     # another token count: same graph
@@ -298,6 +418,63 @@ def test_compiled_fp8_matches_reference_and_sees_weight_patches(fresh_stats, gra
                                + model.emb(t)[:, None], rtol=0, atol=0)
 
 
+@needs_cpu_fast_path
+@torch.no_grad()
+def test_compiled_fp8_quantizes_weights_once_per_version(fresh_stats, cache):
+    """Through nexfort_engine.compile: the first call quantizes the weights inline, the refresh
+    before the second caches them; then every call is a hit until a weight changes, in place
+    (re-quantized in place by the refresh) or replaced (cached by the refresh): no recompiles."""
+    torch.manual_seed(0)
+    model = TokenMLP().to(torch.bfloat16)
+    cm = nexfort_engine.compile(model, {"fp8": True, "backend": "aot_eager", "mode": "O1", "dynamic": True},
+                                label="fp8-cache")
+    t = torch.randn(2, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
+    first = cm(x, t)
+    assert cache.stats["inline"] == 2 and len(cache) == 0
+    for tokens in (7, 11, 7):
+        xi = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
+        assert rel_l2(cm(xi, t), _eager_reference(model, xi, t)) < COMPILED_TOL
+    assert len(cache) == 2 and cache.stats["quantized"] == 2 and cache.stats["inline"] == 2
+    assert cache.stats["hits"] == 6 and cache.stats["requantized"] == 0
+    torch.testing.assert_close(cm(x, t), first, rtol=0, atol=0)
+    q = _entry(model.fc1.weight).q
+
+    model.fc1.weight.add_(torch.randn_like(model.fc1.weight))  # in place
+    patched = cm(x, t)
+    assert cache.stats["requantized"] == 1 and _entry(model.fc1.weight).q is q  # by refresh, in place
+    assert rel_l2(patched, first) > 0.1 and rel_l2(patched, _eager_reference(model, x, t)) < COMPILED_TOL
+
+    model.fc2.weight = torch.nn.Parameter(torch.randn_like(model.fc2.weight) / 8)  # replaced
+    hits = cache.stats["hits"]
+    replaced = cm(x, t)
+    assert cache.stats["quantized"] == 3 and cache.stats["hits"] == hits + 2 and cache.stats["inline"] == 2
+    assert rel_l2(replaced, _eager_reference(model, x, t)) < COMPILED_TOL
+
+    rec = fresh_stats()["models"][cm.label]
+    assert rec["fp8"] is True and rec["fallbacks"] == 0
+    assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]
+    assert len(cache) == 2 and cache.stats["dropped"] == 1  # the replaced fc2 weight died: its copy too
+
+
+@needs_cpu_fast_path
+@torch.no_grad()
+def test_fallback_releases_fp8_weights(fresh_stats, cache, monkeypatch):
+    model = TokenMLP().to(torch.bfloat16)
+    cm = nexfort_engine.compile(model, {"fp8": True, "backend": "aot_eager", "mode": "O1"}, label="fp8-fallback")
+    t, x = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(2, 7, 32, dtype=torch.bfloat16)
+    cm(x, t)
+    cm(x, t)
+    assert len(cache) == 2
+
+    def broken(self, args, kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(compiler_mod.CompiledModule, "_call_compiled", broken)
+    torch.testing.assert_close(cm(x, t), model(x, t), rtol=0, atol=0)
+    assert cm.failed and len(cache) == 0
+
+
 @torch.no_grad()
 def test_fp8_off_on_cpu_by_default(fresh_stats, graph_targets):
     model = TokenMLP()
@@ -311,7 +488,7 @@ def test_fp8_off_on_cpu_by_default(fresh_stats, graph_targets):
 @needs_cpu_fast_path
 @pytest.mark.inductor
 @torch.no_grad()
-def test_inductor_compiles_fp8(fresh_stats, nx_cache, graph_targets):
+def test_inductor_compiles_fp8(fresh_stats, nx_cache, graph_targets, cache):
     torch.manual_seed(0)
     model = TokenMLP().to(torch.bfloat16)
     cm = nexfort_engine.compile(model, {"fp8": True, "mode": "O1"}, cache_dir=nx_cache, label="fp8-inductor")
@@ -321,7 +498,8 @@ def test_inductor_compiles_fp8(fresh_stats, nx_cache, graph_targets):
         x = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
         assert rel_l2(cm(x, t), _eager_reference(model, x, t)) < COMPILED_TOL
     assert not dynamo_counters["graph_break"]
-    assert graph_targets.count(torch._scaled_mm) == 2
+    assert graph_targets.count(FP8_OP) == 2
+    assert cache.stats["inline"] == 2 and cache.stats["hits"] == 2  # the 2nd call read the cache
     rec = fresh_stats()["models"][cm.label]
     assert rec["fp8"] is True and rec["fallbacks"] == 0 and rec["compiles"] == 1 and rec["recompiles"] == 0
 
