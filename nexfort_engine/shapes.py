@@ -154,17 +154,21 @@ def conv_count(module: torch.nn.Module) -> int:
 
 
 def layout_patches(module: torch.nn.Module, dynamic: bool, cuda: bool) -> dict[str, Any]:
-    """Inductor patches that keep a conv net channels-last under dynamic shape.
+    """Inductor patches that keep a conv net's activations channels-last on the GPU.
 
-    Inductor converts a static-shape conv net's activations to channels-last (the layout cuDNN's
-    convolutions run natively), but declines as soon as a convolution has a symbolic size
-    (``GraphLowering.decide_layout_opt``, pytorch#102670). cuDNN then transposes every input and
-    output of every convolution: on an H200, SD2.1 768² spent 3.6 of 19 GPU-ms per step in
-    ``nchwToNhwc``/``nhwcToNchw`` kernels with symbolic shapes, none with static ones (BENCHMARKS.md,
-    run12). ``force_layout_optimization`` makes Inductor take the channels-last layout regardless;
-    weights stay as they are (live parameters, LoRA-safe), Inductor converts them inside the graph.
-    GPU only: on CPU Inductor picks the layout itself.
+    Inductor converts a conv net's activations to channels-last (the layout cuDNN's convolutions
+    run natively) only when a heuristic agrees (``GraphLowering.decide_layout_opt``): it declines
+    as soon as a convolution has a symbolic size (pytorch#102670), and its node-count rule also
+    declined SDXL once fp8 quantization added nodes. cuDNN then transposes every input and output
+    of every convolution: on an H200, SD2.1 768² with symbolic shapes spent 3.6 of 19 GPU-ms per
+    step in ``nchwToNhwc``/``nhwcToNchw`` kernels, SDXL with fp8 2.3 of 36, the static bf16 graphs
+    none (BENCHMARKS.md, runs 12 and 14). ``force_layout_optimization`` makes Inductor take the
+    channels-last layout regardless (for the static bf16 graphs, what it already chose); weights
+    stay as they are (live parameters, LoRA-safe), Inductor converts them inside the graph.
+    GPU only: on CPU Inductor picks the layout itself. ``dynamic`` is accepted for callers'
+    symmetry and no longer changes the answer.
     """
-    if not (dynamic and cuda) or conv_count(module) < MIN_CONVS:
+    del dynamic
+    if not cuda or conv_count(module) < MIN_CONVS:
         return {}
     return {"force_layout_optimization": True}
