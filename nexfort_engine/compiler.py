@@ -362,6 +362,13 @@ class CompiledModule(torch.nn.Module):
             self._fall_back(err)
             return self._eager(*args, **kwargs)
 
+    def weights_changed(self) -> None:
+        """The host changed weights in place (e.g. ComfyUI's ``weight_inplace_update`` patching of
+        inference tensors, which have no version counter): derived copies (fp8) are rebuilt before
+        the next call. Parameters that were *replaced* are noticed without this."""
+        if self._nx_fp8 is not None:
+            self._nx_fp8.invalidate()
+
     def _eager(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._orig_mod, self._nx_method)(*args, **kwargs)
 

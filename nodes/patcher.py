@@ -98,6 +98,12 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
                 counters.add_reason(compiled.label, "fallback", "low-VRAM / partial offload active: ran eager")
                 counters.set_info(compiled.label, state="fallback")
             return executor(*args, **kwargs)
+        # ComfyUI re-patches weights whenever the patch set changes; in place (weight_inplace_update)
+        # on inference tensors that is invisible to version counters: tell the engine
+        patches = getattr(base, "current_weight_patches_uuid", None)
+        if compiled.__dict__.get("_nexfort_patches") != patches:
+            compiled.__dict__["_nexfort_patches"] = patches
+            compiled.weights_changed()
         first = compiled._nx_compiled is None and compiled.failed is None
         if first:
             _progress(node_id, "nexfort: compiling (first step)…")

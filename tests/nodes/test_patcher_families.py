@@ -67,3 +67,40 @@ def test_regional_dit_through_the_glue_with_lora_like_patches(patcher, comfy_inp
     assert compiles[0] == compiles[1] == compiles[2] == compiles[3], compiles
     rec = next(r for r in fresh_stats()["models"].values() if f"r-{family}" in r["node_ids"])
     assert rec["regions"] and rec["fallbacks"] == 0 and rec["recompiles"] == 0, rec
+
+
+def test_fp8_sees_in_place_lora_on_inference_tensors(patcher, comfy_inproc, fresh_stats):
+    """ComfyUI loads checkpoints under ``torch.inference_mode`` (weights without a version counter)
+    and a ``weight_inplace_update`` patcher writes LoRA deltas into them in place. The fp8 path's
+    cached weight copies must follow: the glue tells the engine when the patch set changes."""
+    import torch
+
+    from nexfort_engine import fp8
+
+    with torch.inference_mode():
+        mp = tm.tiny_pixart(seed=13, depth=4)
+    mp.weight_inplace_update = True
+    # whole model: under regional compilation fp8 covers the blocks only, the reference covers all
+    cfg = nexfort_engine.parse_options({"mode": "O2", "backend": "eager", "fp8": True, "regional": False})
+    key = next(k for k, v in mp.model_state_dict().items()
+               if k.startswith("diffusion_model.blocks.2.") and k.endswith(".weight") and v.dim() == 2
+               and v.shape[0] % 16 == 0 and v.shape[1] % 16 == 0)
+    w = mp.model_state_dict()[key]
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(5)) * w.abs().mean() * 8
+    (h, w_px) = tm.RESOLUTIONS["pixart"][1]
+    outs, refs = [], []
+    with torch.inference_mode():
+        for strength in (None, 1.0, None):
+            base = mp.clone()
+            if strength is not None:
+                base.add_patches({key: (delta,)}, strength)
+            compiled = patcher.compile_model_patcher(base, cfg, node_id="fp8-inplace")
+            outs.append(tm.sample(compiled, h, w_px, 1, 3, 5.0, 77))
+            with fp8.Fp8LinearMode(cached=False):  # same numbers, weights quantized from the live ones
+                refs.append(tm.sample(base, h, w_px, 1, 3, 5.0, 77))
+    for out, ref in zip(outs, refs, strict=True):
+        assert tm.rel_err(out, ref) <= 1e-3
+    assert tm.rel_err(outs[1], outs[0]) > 5e-2  # the patch reached the fp8 copies
+    assert tm.rel_err(outs[2], outs[0]) <= 1e-3
+    rec = next(r for r in fresh_stats()["models"].values() if "fp8-inplace" in r["node_ids"])
+    assert rec["fp8"] and rec["fallbacks"] == 0 and rec["recompiles"] == 0, rec
