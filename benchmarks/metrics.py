@@ -253,7 +253,7 @@ KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
     ("conv", ("conv", "fprop", "dgrad", "wgrad", "winograd", "implicit_convolve")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "ampere_", "hopper", "cublas", "matmul",
-              "scaled_mm", "::mm", "addmm", "bmm")),
+              "scaled_mm", "::mm", "_mm", "addmm", "bmm")),
     ("triton", ("triton",)),
     ("norm", ("norm",)),
     ("copy", ("memcpy", "memset", "copy", "cat")),
@@ -263,6 +263,10 @@ KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def kernel_category(name: str) -> str:
     low = name.lower()
+    # Inductor's generated kernels are named after the ops they fused ("triton_poi_fused_convolution_
+    # silu_3" is a pointwise epilogue, not a convolution); only its templates are GEMMs/convs
+    if low.startswith("triton_") and not low.startswith("triton_tem"):
+        return "triton"
     for cat, keys in KERNEL_CATEGORIES:
         if any(k in low for k in keys):
             return cat

@@ -191,5 +191,8 @@ def test_kernel_category():
     assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
     assert kernel_category("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc") == "conv"
     assert kernel_category("triton_red_fused_native_group_norm_silu_3") == "triton"
+    assert kernel_category("triton_poi_fused_add_convolution_native_group_norm_silu_6") == "triton"
+    assert kernel_category("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_56") == "triton"
+    assert kernel_category("triton_tem_fused_mm_0") == "gemm"
     assert kernel_category("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
     assert kernel_category("aten::mm") == "gemm" and kernel_category("aten::addmm") == "gemm"
