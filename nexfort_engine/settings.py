@@ -169,9 +169,10 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
             inductor[key] = value
     if not cuda:
         runtime = {}
-    # auto (None) is off: measured on an H200 (BENCHMARKS.md, run8), quantizing weights and
-    # activations inside every call cost more than the fp8 GEMMs saved on SDXL and PixArt (fp16
-    # models) and gained 5 % on Flux; ``"fp8": true`` turns it on (also on CPU, for tests)
+    # auto (None) is off: measured on an H200 (BENCHMARKS.md, runs 8 and 14), even with weights
+    # quantized once per version, quantizing the activations costs more than the fp8 GEMMs save on
+    # SDXL (27.2 vs 30.3 it/s) and gains 8-10 % on Flux, at 1.4x (SDXL) / 1.5x (Flux) the peak
+    # memory (the fp8 weight copies); ``"fp8": true`` turns it on (also on CPU, for tests)
     fp8 = config.fp8 is True and (fp8_capable or not cuda)
     if config.fp8 is True and not fp8:
         _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")
