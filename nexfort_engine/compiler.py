@@ -83,6 +83,10 @@ def _last_recompile_reason() -> str:
     return "unknown"
 
 
+#: host hook on a region block's (args, kwargs) before its compiled forward (see :func:`compile`)
+BlockHook = Callable[[tuple, dict], tuple[tuple, dict]]
+
+
 def _with_fp8(fn: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         with Fp8LinearMode():
@@ -101,9 +105,11 @@ class CompiledModule(torch.nn.Module):
         store: CacheStore | None,
         label: str | None = None,
         method: str = "forward",
+        block_hook: BlockHook | None = None,
     ) -> None:
         super().__init__()
         self._orig_mod = module
+        self._nx_block_hook = block_hook
         self._nx_method = method
         self._nx_config = config
         self._nx_store = store
@@ -191,8 +197,8 @@ class CompiledModule(torch.nn.Module):
         if self._nx_store is not None:
             self._nx_env = environment_fingerprint(device)
             structure = f"{structure_digest(self._orig_mod)}.{self._nx_method}"
-            if self._nx_regions:  # what was decided, not the option: auto and true share an entry
-                structure += ".regional"
+            # what was decided, not the option: auto and true share an entry when they agree
+            structure += regions.regions_key(self._nx_regions)
             key = entry_key(structure, self._nx_settings.digest(self._nx_config), self._nx_env)
             self._nx_entry = self._nx_store.entry(key)
             old_label = self._nx_label
@@ -225,7 +231,11 @@ class CompiledModule(torch.nn.Module):
             fns.append(by_class[cls])
         dynamic = self._nx_config.dynamic
 
+        hook = self._nx_block_hook
+
         def before(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if hook is not None:
+                args, kwargs = hook(args, kwargs)
             return shapes.prepare_block_inputs(args, kwargs, dynamic)
 
         if self._nx_settings is not None and self._nx_settings.fp8:
@@ -384,11 +394,15 @@ def compile(  # noqa: A001 - the seeds' name
     *,
     label: str | None = None,
     method: str = "forward",
+    block_hook: BlockHook | None = None,
 ) -> CompiledModule:
     """Compile ``module`` with nexfort (lazily, at its first call).
 
     ``method``: compile ``module.<method>`` instead of ``forward`` (a VAE's ``decode``/``encode``).
     ``options``: the seeds' dict / JSON string (see :func:`nexfort_engine.options.parse_options`).
+    ``block_hook``: under regional compilation, called with each block's ``(args, kwargs)`` before
+    its compiled forward and returning the ones to pass: where the host drops per-block values
+    a block reads but does not need (they would otherwise make every twin its own graph).
     ``cache_dir``: where compiled artifacts persist; defaults to ``$NEXFORT_CACHE_DIR``; ``None``
     and no env var means Inductor's own default cache.
     """
@@ -397,4 +411,4 @@ def compile(  # noqa: A001 - the seeds' name
     config = parse_options(options)
     cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
     store = CacheStore(cache_dir) if cache_dir else None
-    return CompiledModule(module, config, store, label=label, method=method)
+    return CompiledModule(module, config, store, label=label, method=method, block_hook=block_hook)

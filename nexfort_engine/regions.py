@@ -71,25 +71,48 @@ def _param_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def find_regions(module: torch.nn.Module, min_repeats: int = MIN_REPEATS) -> list[Region]:
-    """Groups of >= ``min_repeats`` identical, hook-free blocks in the module's top-level
-    ``ModuleList`` attributes (``blocks``, ``double_blocks``, ``single_blocks``, ...).
+def find_regions(module: torch.nn.Module, min_repeats: int = MIN_REPEATS, deep: bool = False) -> list[Region]:
+    """Groups of >= ``min_repeats`` identical, hook-free blocks in ``ModuleList`` attributes.
 
-    Only direct children are searched: deeper stacks (a UNet's 10-deep transformer at one level)
-    are a small part of a network whose convolutions would then run eager.
+    ``deep=False``: the module's top-level lists only (``blocks``, ``double_blocks``,
+    ``single_blocks``, ...), one region per list and signature: a DiT's stacks.
+    ``deep=True``: lists at any depth, identical blocks counted across lists (a UNet's
+    ``transformer_blocks``: SDXL has 70 in 14 lists, of two widths), one region per signature;
+    lists inside a block already in a region are not searched again.
     """
-    regions: list[Region] = []
-    for path, child in module.named_children():
-        if not isinstance(child, torch.nn.ModuleList):
+    if not deep:
+        regions: list[Region] = []
+        for path, child in module.named_children():
+            if not isinstance(child, torch.nn.ModuleList):
+                continue
+            groups: dict[str, list[torch.nn.Module]] = {}
+            for block in child:
+                if not _has_hooks(block):
+                    groups.setdefault(block_signature(block), []).append(block)
+            for sig, blocks in groups.items():
+                if len(blocks) >= min_repeats:
+                    regions.append(Region(path, sig, tuple(blocks)))
+        return regions
+    lists = [(path, m) for path, m in module.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    sigs: dict[int, str] = {}
+    counts: dict[str, int] = {}
+    for _, lst in lists:
+        for block in lst:
+            if id(block) not in sigs and not _has_hooks(block):
+                sigs[id(block)] = block_signature(block)
+                counts[sigs[id(block)]] = counts.get(sigs[id(block)], 0) + 1
+    taken: set[int] = set()  # blocks in a region and everything inside them
+    found: dict[str, tuple[str, list[torch.nn.Module]]] = {}
+    for path, lst in lists:  # pre-order: outer lists first
+        if id(lst) in taken:
             continue
-        groups: dict[str, list[torch.nn.Module]] = {}
-        for block in child:
-            if not _has_hooks(block):
-                groups.setdefault(block_signature(block), []).append(block)
-        for sig, blocks in groups.items():
-            if len(blocks) >= min_repeats:
-                regions.append(Region(path, sig, tuple(blocks)))
-    return regions
+        for block in lst:
+            sig = sigs.get(id(block))
+            if sig is None or id(block) in taken or counts[sig] < min_repeats:
+                continue
+            found.setdefault(sig, (path, []))[1].append(block)
+            taken.update(id(m) for m in block.modules())
+    return [Region(path, sig, tuple(blocks)) for sig, (path, blocks) in found.items()]
 
 
 def region_share(module: torch.nn.Module, regions: list[Region]) -> float:
@@ -101,13 +124,29 @@ def region_share(module: torch.nn.Module, regions: list[Region]) -> float:
 
 def select_regions(module: torch.nn.Module, regional: bool | None) -> list[Region]:
     """What to compile regionally: ``False`` -> nothing (whole model); ``True`` -> every region
-    found; ``None`` (auto) -> the regions if they hold >= ``MIN_SHARE`` of the weights."""
+    found at any depth (a UNet's transformer blocks too, see :func:`find_regions`); ``None``
+    (auto) -> the top-level regions if they hold >= ``MIN_SHARE`` of the weights (DiTs)."""
     if regional is False:
         return []
+    if regional is True:
+        return find_regions(module, deep=True)
     regions = find_regions(module)
-    if regional is None and region_share(module, regions) < MIN_SHARE:
+    if region_share(module, regions) < MIN_SHARE:
         return []
     return regions
+
+
+def regions_key(regions: list[Region]) -> str:
+    """Cache-key suffix for a regional decision: ``.regional`` for top-level stacks (the keys
+    written before deep regions existed), plus a digest of the regions when any is nested."""
+    if not regions:
+        return ""
+    if all("." not in r.path for r in regions):
+        return ".regional"
+    import hashlib
+
+    names = ",".join(sorted(f"{r.path}:{r.signature}:{len(r.blocks)}" for r in regions))
+    return ".regional." + hashlib.sha256(names.encode()).hexdigest()[:8]
 
 
 def compile_block_forward(region: Region, compiler: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:

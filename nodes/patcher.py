@@ -48,6 +48,25 @@ def cache_root() -> str:
     return folder_paths.get_system_user_directory("nexfort")
 
 
+#: keys ComfyUI's UNet writes into ``transformer_options`` per block; a block reads them only to look
+#: up attention patches for that position
+_POSITION_KEYS = ("block", "block_index")
+
+
+def comfy_block_hook(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Regional compilation of a UNet's transformer blocks: ``BasicTransformerBlock.forward`` reads
+    ``transformer_options["block"]`` (e.g. ``("input", 4)``) and ``["block_index"]``, so each of
+    SDXL's 70 blocks would trace its own graph although the values only matter to attention
+    patches. Without patches they are dropped from a shallow copy; with patches the block gets
+    them unchanged (correct, one graph per position)."""
+    to = kwargs.get("transformer_options")
+    if not isinstance(to, dict) or not any(k in to for k in _POSITION_KEYS):
+        return args, kwargs
+    if to.get("patches") or to.get("patches_replace"):
+        return args, kwargs
+    return args, {**kwargs, "transformer_options": {k: v for k, v in to.items() if k not in _POSITION_KEYS}}
+
+
 def _compiled_for(module: torch.nn.Module, config: CompileConfig, label: str, method: str = "forward"):
     per_module = module.__dict__.get(_ATTR)
     if per_module is None:
@@ -62,7 +81,8 @@ def _compiled_for(module: torch.nn.Module, config: CompileConfig, label: str, me
         for p in module.parameters():
             if p.requires_grad:
                 p.requires_grad_(False)
-        cm = nexfort_engine.compile(module, config, cache_dir=cache_root(), label=label, method=method)
+        cm = nexfort_engine.compile(module, config, cache_dir=cache_root(), label=label, method=method,
+                                    block_hook=comfy_block_hook)
         per_module[key] = cm
     return cm
 

@@ -105,17 +105,18 @@ def _patcher(model: torch.nn.Module, spec: Tiny) -> Any:
     return mp
 
 
-def tiny_sd15(seed: int = 0) -> Any:
-    """SD1.5-family UNet, model_channels 32 (1.6M params)."""
+def tiny_sd15(seed: int = 0, depth: int = 1) -> Any:
+    """SD1.5-family UNet, model_channels 32 (1.6M params at ``depth`` 1); ``depth`` transformer
+    blocks per SpatialTransformer (SDXL-like stacks: depth 2 gives 6 + 8 identical blocks)."""
     boot()
     import comfy.supported_models
 
     unet_config = {
         "model_channels": 32, "in_channels": 4, "out_channels": 4, "num_res_blocks": [1, 1],
-        "channel_mult": [1, 2], "transformer_depth": [1, 1], "transformer_depth_output": [1, 1, 1, 1],
+        "channel_mult": [1, 2], "transformer_depth": [depth, depth], "transformer_depth_output": [depth] * 4,
         "context_dim": 64, "num_heads": 2, "num_head_channels": -1, "use_linear_in_transformer": False,
         "adm_in_channels": None, "use_spatial_transformer": True, "legacy": False,
-        "transformer_depth_middle": 1, "use_temporal_resblock": False, "use_temporal_attention": False,
+        "transformer_depth_middle": depth, "use_temporal_resblock": False, "use_temporal_attention": False,
         "dims": 2, "num_classes": None, "image_size": 32, "use_checkpoint": False,
     }
     model = init_weights(comfy.supported_models.SD15(unet_config).get_model({}), seed)

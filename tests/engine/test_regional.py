@@ -181,3 +181,38 @@ def test_cache_key_follows_the_regional_decision(deep, clean_dynamo, tmp_path):
         tm.call_diffusion(mp, 384, 384, 2, 77, diffusion_model=cm)
         keys[regional] = cm.cache_entry.key
     assert keys[None] == keys[True] != keys[False]
+
+
+def test_deep_regions_find_a_unets_transformer_stacks(deep, comfy_inproc):
+    """``regional: true`` searches lists at any depth and counts identical blocks across lists: the
+    tiny UNet's 14 BasicTransformerBlocks (two widths) in 7 SpatialTransformers become 2 regions;
+    auto leaves the UNet whole; a DiT's deep search finds its top-level stacks, so auto and true
+    agree there (same cache key suffix)."""
+    unet = tm.tiny_sd15(depth=2).model.diffusion_model
+    found = regions.select_regions(unet, True)
+    assert sorted(len(r.blocks) for r in found) == [6, 8]
+    assert {type(r.blocks[0]).__name__ for r in found} == {"BasicTransformerBlock"}
+    assert all(".transformer_blocks" in r.path for r in found)
+    assert regions.select_regions(unet, None) == []
+    key = regions.regions_key(found)
+    assert key.startswith(".regional.") and key == regions.regions_key(regions.select_regions(unet, True))
+    pix = deep["pixart"].model.diffusion_model
+    assert [r.name for r in regions.find_regions(pix, deep=True)] == [r.name for r in regions.find_regions(pix)]
+    assert regions.regions_key(regions.select_regions(pix, True)) == ".regional"
+
+
+def test_deep_regions_do_not_nest():
+    """Blocks inside a block that is already in a region are not regions of their own."""
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    root = torch.nn.Module()
+    root.blocks = torch.nn.ModuleList(Outer() for _ in range(4))
+    [r] = regions.find_regions(root, deep=True)
+    assert r.path == "blocks" and len(r.blocks) == 4
+    lone = torch.nn.Module()
+    lone.wrap = torch.nn.ModuleList([Outer()])  # one outer block: its inner stack is the region
+    [r] = regions.find_regions(lone, deep=True)
+    assert r.path == "wrap.0.inner" and len(r.blocks) == 4

@@ -104,3 +104,36 @@ def test_fp8_sees_in_place_lora_on_inference_tensors(patcher, comfy_inproc, fres
     assert tm.rel_err(outs[2], outs[0]) <= 1e-3
     rec = next(r for r in fresh_stats()["models"].values() if "fp8-inplace" in r["node_ids"])
     assert rec["fp8"] and rec["fallbacks"] == 0 and rec["recompiles"] == 0, rec
+
+
+def test_regional_unet_transformer_blocks_through_the_glue(patcher, comfy_inproc, fresh_stats):
+    """``regional: true`` on a UNet: its transformer blocks (two widths) compile once per width; the
+    glue's block hook drops ComfyUI's per-block position keys, so 14 blocks are 2 graphs and a sweep
+    over resolutions, steps and prompt lengths adds none. With an attention patch (which needs the
+    position) the keys stay and the result still equals eager."""
+    mp = tm.tiny_sd15(seed=14, depth=2)
+    cfg = nexfort_engine.parse_options({"mode": "O2", "backend": "eager", "regional": True})
+    compiled = patcher.compile_model_patcher(mp, cfg, node_id="unet-regional")
+    for (h, w), steps, ctx in [((64, 64), 3, 77), ((64, 96), 2, 154), ((96, 64), 3, 77)]:
+        ref = tm.sample(mp, h, w, 1, steps, 5.0, ctx)
+        out = tm.sample(compiled, h, w, 1, steps, 5.0, ctx)
+        assert tm.rel_err(out, ref) <= TOL
+    rec = next(r for r in fresh_stats()["models"].values() if "unet-regional" in r["node_ids"])
+    assert len(rec["regions"]) == 2 and rec["fallbacks"] == 0, rec
+    assert rec["compiles"] == 2 and rec["recompiles"] == 0, rec["recompile_reasons"]
+
+    calls = []
+
+    def attn2_scale(q, k, v, extra_options):  # an attn2 replace patch at one position
+        import comfy.ldm.modules.attention as attention
+
+        calls.append(extra_options["block"])
+        return attention.optimized_attention(q, k, v * 0.5, extra_options["n_heads"])
+
+    patched = mp.clone()
+    patched.set_model_attn2_replace(attn2_scale, "input", 1, 0)
+    compiled_p = patcher.compile_model_patcher(patched, cfg, node_id="unet-regional-patched")
+    ref = tm.sample(patched, 64, 64, 1, 3, 5.0, 77)
+    out = tm.sample(compiled_p, 64, 64, 1, 3, 5.0, 77)
+    assert tm.rel_err(out, ref) <= TOL
+    assert calls and set(calls) == {("input", 1)}  # reached through the compiled block, at its position
