@@ -79,7 +79,10 @@ def varying_dims(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def mark_dynamic_dims(args: tuple, kwargs: dict) -> None:
-    """Mark the varying dims of every floating/int tensor input (also inside dicts/lists) dynamic."""
+    """Mark the varying dims of every floating/int tensor input (also inside dicts/lists) dynamic,
+    and the others (channels, features) static: a block class used at two widths (SDXL's
+    transformer blocks at 640 and 1280 under regional compilation) then gets one graph per width,
+    instead of Dynamo's automatic-dynamic making the feature size symbolic on the second width."""
 
     def visit(v: Any, depth: int = 0) -> None:
         if isinstance(v, torch.Tensor):
@@ -89,6 +92,9 @@ def mark_dynamic_dims(args: tuple, kwargs: dict) -> None:
                     dims = varying_dims(t)
                     if dims:
                         torch._dynamo.maybe_mark_dynamic(t, list(dims))
+                    for d in range(t.dim()):
+                        if d not in dims:
+                            torch._dynamo.mark_static(t, d)
         elif depth < 3 and isinstance(v, dict):
             for x in v.values():
                 visit(x, depth + 1)
