@@ -105,7 +105,8 @@ class CompileConfig:
     #: faster); None (auto) and False = off (measured slower than fp16 on SDXL/PixArt, BENCHMARKS.md)
     fp8: bool | None = None
     #: regional compilation (regions.py): compile each stack of identical blocks once; None = auto
-    #: (on when such stacks hold most of the weights: DiTs such as PixArt, Flux, Wan)
+    #: (on when such stacks hold most of the weights: DiTs such as PixArt, Flux, Wan, and SDXL's
+    #: transformer blocks), True = also every nested stack (any UNet's transformer blocks)
     regional: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
