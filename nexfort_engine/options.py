@@ -105,8 +105,8 @@ class CompileConfig:
     #: faster); None (auto) and False = off (measured slower than fp16 on SDXL/PixArt, BENCHMARKS.md)
     fp8: bool | None = None
     #: regional compilation (regions.py): compile each stack of identical blocks once; None = auto
-    #: (on when such stacks hold most of the weights: DiTs such as PixArt, Flux, Wan, and SDXL's
-    #: transformer blocks), True = also every nested stack (any UNet's transformer blocks)
+    #: (on when top-level stacks hold most of the weights: DiTs such as PixArt, Flux, Wan), True =
+    #: also nested stacks (a UNet's transformer blocks: SDXL compiles in 18 s instead of 294 s)
     regional: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)

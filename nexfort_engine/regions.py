@@ -18,10 +18,10 @@ afterwards, so an uncompiled clone sharing the model, or our eager fallback, see
 Blocks with hooks are left alone (a compiled ``forward`` would skip them).
 
 Used by :class:`nexfort_engine.compiler.CompiledModule` when the ``regional`` option is on, or
-``None`` (auto) and :func:`find_regions` finds block stacks holding most of the weights: top-level
-stacks (DiTs), else stacks at any depth (SDXL's transformer blocks; the UNet's ResBlocks, convolutions
-and glue then run eager: measured on an H200, SDXL compiles in 15 s instead of 294 s for the whole
-dynamic-shape UNet, at 25.2 vs 26.7 it/s; BENCHMARKS.md run17).
+``None`` (auto) and :func:`find_regions` finds top-level block stacks holding most of the weights
+(DiTs). ``True`` also takes nested stacks (a UNet's transformer blocks; its ResBlocks, convolutions
+and glue then run eager: on an H200 SDXL compiles in 15-18 s instead of 294 s for the whole
+dynamic-shape UNet, at 24.8-25.2 vs 26.7 it/s; BENCHMARKS.md runs 17-18).
 """
 
 from __future__ import annotations
@@ -128,18 +128,20 @@ def region_share(module: torch.nn.Module, regions: list[Region]) -> float:
 def select_regions(module: torch.nn.Module, regional: bool | None) -> list[Region]:
     """What to compile regionally: ``False`` -> nothing (whole model); ``True`` -> every region
     found at any depth (a UNet's transformer blocks too, see :func:`find_regions`); ``None``
-    (auto) -> the top-level regions if they hold >= ``MIN_SHARE`` of the weights (DiTs), else
-    the regions at any depth if those do (SDXL: 85 % of its weights in 70 transformer blocks;
-    SD2.1's 16 hold 29 %: compiled whole)."""
+    (auto) -> the top-level regions if they hold >= ``MIN_SHARE`` of the weights (DiTs).
+
+    Auto does not take nested stacks (SDXL's transformer blocks hold 85 % of its weights): measured
+    on an H200 that compiles SDXL in 18 s instead of 294 s, but steady speed drops from 26.7 to
+    24.8 it/s and varied between 17.5 and 25.6 it/s over a resolution sweep (BENCHMARKS.md, run18),
+    so it is the ``"regional": true`` choice, not the default."""
     if regional is False:
         return []
     if regional is True:
         return find_regions(module, deep=True)
-    for deep in (False, True):
-        regions = find_regions(module, deep=deep)
-        if regions and region_share(module, regions) >= MIN_SHARE:
-            return regions
-    return []
+    regions = find_regions(module)
+    if region_share(module, regions) < MIN_SHARE:
+        return []
+    return regions
 
 
 def regions_key(regions: list[Region]) -> str:
