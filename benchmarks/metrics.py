@@ -301,9 +301,10 @@ def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: 
             k[0] += us
             k[1] += int(evt.count)
     total_us = sum(v[0] for v in kernels.values())
+    category = {name: kernel_category(name) for name in kernels}
     cats: dict[str, float] = {}
     for name, (us, _) in kernels.items():
-        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + us
+        cats[category[name]] = cats.get(category[name], 0.0) + us
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "steps": steps,
@@ -312,7 +313,7 @@ def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: 
         "kernels_per_step": sum(v[1] for v in kernels.values()) / steps,
         "by_category_ms_per_step": {c: round(us / 1000.0 / steps, 3) for c, us in
                                     sorted(cats.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": n[:160], "category": kernel_category(n), "ms_per_step": round(us / 1000.0 / steps, 3),
+        "top_kernels": [{"name": n[:160], "category": category[n], "ms_per_step": round(us / 1000.0 / steps, 3),
                          "calls_per_step": round(c / steps, 1)} for n, (us, c) in ranked],
     }
 

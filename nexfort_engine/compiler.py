@@ -180,7 +180,7 @@ class CompiledModule(torch.nn.Module):
         device = str(example.device) if example is not None else "cpu"
         fp8_capable = example is not None and fp8_supported(example.device)
         self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"), fp8_capable=fp8_capable)
-        layout = shapes.layout_patches(self._orig_mod, self._nx_config.dynamic, device.startswith("cuda"))
+        layout = shapes.layout_patches(self._orig_mod, device.startswith("cuda"))
         if layout and self._nx_config.backend == "inductor":
             self._nx_settings = dataclasses.replace(
                 self._nx_settings, inductor={**self._nx_settings.inductor, **layout}

@@ -253,8 +253,10 @@ class WeightCache:
         with self._lock, torch.no_grad():
             pending, self._pending = self._pending, {}
             sources = [w for w in (r() for r in pending.values()) if w is not None]
+            done: set[_Key] = set()  # checked here: the sweep below skips them
             for w in [*sources, *weights]:
                 key = _key(w)
+                done.add(key)
                 entry = self._entries.get(key)
                 if entry is None:
                     q, scale = quantize_rowwise(w)
@@ -268,6 +270,8 @@ class WeightCache:
                     self.stats["requantized"] += 1
                     n += 1
             for key, entry in list(self._entries.items()):
+                if key in done:
+                    continue
                 if entry.storage() is None:  # the weight is gone
                     if not entry.captured:
                         del self._entries[key]

@@ -27,6 +27,7 @@ dynamic-shape UNet, at 24.8-25.2 vs 26.7 it/s; BENCHMARKS.md runs 17-18).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -151,8 +152,6 @@ def regions_key(regions: list[Region]) -> str:
         return ""
     if all("." not in r.path for r in regions):
         return ".regional"
-    import hashlib
-
     names = ",".join(sorted(f"{r.path}:{r.signature}:{len(r.blocks)}" for r in regions))
     return ".regional." + hashlib.sha256(names.encode()).hexdigest()[:8]
 

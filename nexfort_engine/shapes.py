@@ -159,7 +159,7 @@ def conv_count(module: torch.nn.Module) -> int:
     return sum(isinstance(m, torch.nn.modules.conv._ConvNd) for m in module.modules())
 
 
-def layout_patches(module: torch.nn.Module, dynamic: bool, cuda: bool) -> dict[str, Any]:
+def layout_patches(module: torch.nn.Module, cuda: bool) -> dict[str, Any]:
     """Inductor patches that keep a conv net's activations channels-last on the GPU.
 
     Inductor converts a conv net's activations to channels-last (the layout cuDNN's convolutions
@@ -171,10 +171,8 @@ def layout_patches(module: torch.nn.Module, dynamic: bool, cuda: bool) -> dict[s
     none (BENCHMARKS.md, runs 12 and 14). ``force_layout_optimization`` makes Inductor take the
     channels-last layout regardless (for the static bf16 graphs, what it already chose); weights
     stay as they are (live parameters, LoRA-safe), Inductor converts them inside the graph.
-    GPU only: on CPU Inductor picks the layout itself. ``dynamic`` is accepted for callers'
-    symmetry and no longer changes the answer.
+    GPU only: on CPU Inductor picks the layout itself. Static and symbolic shapes alike.
     """
-    del dynamic
     if not cuda or conv_count(module) < MIN_CONVS:
         return {}
     return {"force_layout_optimization": True}

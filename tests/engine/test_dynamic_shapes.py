@@ -113,10 +113,9 @@ def test_conv_nets_keep_channels_last_on_the_gpu():
     unet = tm.tiny_sd15().model.diffusion_model
     dit = tm.tiny_pixart().model.diffusion_model
     assert shapes.conv_count(unet) >= shapes.MIN_CONVS > shapes.conv_count(dit)
-    assert shapes.layout_patches(unet, dynamic=True, cuda=True) == {"force_layout_optimization": True}
-    assert shapes.layout_patches(unet, dynamic=False, cuda=True) == {"force_layout_optimization": True}
-    assert shapes.layout_patches(unet, dynamic=True, cuda=False) == {}
-    assert shapes.layout_patches(dit, dynamic=True, cuda=True) == {}
+    assert shapes.layout_patches(unet, cuda=True) == {"force_layout_optimization": True}
+    assert shapes.layout_patches(unet, cuda=False) == {}
+    assert shapes.layout_patches(dit, cuda=True) == {}
     import torch._inductor.config as inductor_config
 
     assert hasattr(inductor_config, "force_layout_optimization")  # the key exists in this torch
