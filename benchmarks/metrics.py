@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -338,3 +339,29 @@ def compile_phases(min_s: float = 0.5) -> dict[str, float]:
         if v >= min_s:
             out[name] = round(v, 2)
     return out
+
+
+def host_breakdown(prof: Any, steps: int, wall_s: float, top: int = 25) -> dict[str, Any]:
+    """Host (Python) time of one ``cProfile``d sampling run, per step: the functions with the most
+    own time and those with the most cumulative time (cProfile's overhead inflates both; compare
+    functions with each other, not with the unprofiled wall time)."""
+    import pstats
+
+    steps = max(steps, 1)
+    st = pstats.Stats(prof)
+    rows = []
+    for (path, line, fn), (_cc, ncalls, tottime, cumtime, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append((f"{Path(path).name}:{line}({fn})" if line else fn, ncalls, tottime, cumtime))
+
+    def pick(key: int) -> list[dict[str, Any]]:
+        ranked = sorted(rows, key=lambda r: -r[key])[:top]
+        return [{"fn": r[0][:160], "calls_per_step": round(r[1] / steps, 1),
+                 "self_ms_per_step": round(1000.0 * r[2] / steps, 3),
+                 "cum_ms_per_step": round(1000.0 * r[3] / steps, 3)} for r in ranked]
+
+    return {
+        "steps": steps,
+        "wall_ms_per_step": 1000.0 * wall_s / steps,
+        "top_self": pick(2),
+        "top_cumulative": pick(3),
+    }

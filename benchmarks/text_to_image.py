@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="float32 eager reference run (auto: when it fits in GPU memory)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, profile one sampling run: GPU kernel time per step by category")
+    p.add_argument("--profile-host", action="store_true",
+                   help="after the timed runs, one sampling run under cProfile: host (Python) time per step by function")
     p.add_argument("--warm-cache-check", action="store_true",
                    help="re-run the compile in a second process on the same cache dir (warm-up with warm cache)")
     p.add_argument("--cache-dir", type=Path, default=None,
@@ -188,6 +190,20 @@ class Runner:
         with torch.profiler.profile(activities=activities) as prof:
             _, m = self.run(mp, height, width, steps)
         return metrics.kernel_breakdown(prof, steps, m["e2e_s"], cuda=self.device.type == "cuda")
+
+    def profile_host(self, mp: Any, height: int, width: int, steps: int) -> dict[str, Any]:
+        """One sampling run under ``cProfile``: where the host's time goes, per step."""
+        import cProfile
+
+        from benchmarks import metrics
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            _, m = self.run(mp, height, width, steps)
+        finally:
+            prof.disable()
+        return metrics.host_breakdown(prof, steps, m["e2e_s"])
 
     def inputs(self, mp: Any, height: int, width: int, text_len: int | None = None) -> tuple[Any, Any, list, list]:
         """(empty latent, noise, positive, negative) exactly as :meth:`run` samples them."""
@@ -478,6 +494,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if args.profile:
             result["profile"] = runner.profile(target, height, width, args.steps)
+        if args.profile_host:
+            result["profile_host"] = runner.profile_host(target, height, width, args.steps)
         if args.warm_cache_check:
             result["warmup_warm_cache_s"], result["warm_child"] = warm_cache_check(args)
         if args.run_multiple_resolutions:

@@ -33,6 +33,7 @@ from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, s
 from .cache.store import ENV_CACHE_DIR
 from .fp8 import Fp8LinearMode, ModuleWeights, fp8_supported
 from .options import CompileConfig, parse_options
+from .reductions import persistent_rows
 from .settings import Settings, resolve, runtime_overrides
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,8 @@ class CompiledModule(torch.nn.Module):
             from .passes.fuse_qkv import FuseQKVPass
 
             patches["post_grad_custom_pre_pass"] = FuseQKVPass()
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        with persistent_rows(self._nx_settings.persistent_rows):
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _setup(self, example: torch.Tensor | None) -> None:
         device = str(example.device) if example is not None else "cpu"

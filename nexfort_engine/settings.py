@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from .options import FLAGS, CompileConfig
+from .reductions import DEFAULT_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ class Settings:
     dropped: tuple[str, ...] = ()
     #: fp8 token-wise linears (changes the compiled graph, so part of :meth:`digest`)
     fp8: bool = False
+    #: inner reductions of rows up to this many elements are single-pass kernels (0: Inductor's
+    #: default); on with fp8, for its per-row activation quantization (:mod:`.reductions`)
+    persistent_rows: int = 0
 
     def digest(self, config: CompileConfig) -> str:
         """Hash of what actually shapes the compiled artifacts on this machine (cache keys):
@@ -132,6 +136,8 @@ class Settings:
         d.pop("regional", None)
         if self.fp8:
             d["fp8"] = True
+        if self.persistent_rows:
+            d["persistent_rows"] = self.persistent_rows
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -176,7 +182,10 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
     fp8 = config.fp8 is True and (fp8_capable or not cuda)
     if config.fp8 is True and not fp8:
         _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")
-    return Settings(inductor=inductor, runtime=runtime, dropped=dropped, fp8=fp8)
+    # the fp8 path quantizes every linear's input per row in the graph: single-pass kernels for
+    # those rows (reductions.py) on the GPU; the CPU backend has no such choice
+    rows = DEFAULT_LIMIT if fp8 and cuda else 0
+    return Settings(inductor=inductor, runtime=runtime, dropped=dropped, fp8=fp8, persistent_rows=rows)
 
 
 def _runtime_switches() -> dict[str, tuple[Any, Any]]:
