@@ -97,7 +97,7 @@ def main() -> None:
             torch._dynamo.reset()
             compiled = torch.compile(fn, backend=_backend(limit), dynamic=False)
             out = compiled(x)
-            row[label + " ms"] = round(_time_ms(lambda c=compiled: c(x), args.iters), 4)
+            row[label + " ms"] = round(_time_ms(lambda c=compiled, x=x: c(x), args.iters), 4)
             outs[label] = out
         q0, s0 = outs["default"]
         q1, s1 = outs["persistent rows"]
