@@ -365,3 +365,27 @@ def host_breakdown(prof: Any, steps: int, wall_s: float, top: int = 25) -> dict[
         "top_self": pick(2),
         "top_cumulative": pick(3),
     }
+
+
+def cudagraph_state() -> dict[str, Any]:
+    """CUDA-graph trees' state after the runs: Inductor's cudagraph counters (``cudagraph_skips``:
+    graphs or calls that fell back to running their kernels one by one) and the tree manager's
+    re-record counts (a node re-recorded past ``cudagraph_unexpected_rerecord_limit`` runs eager)."""
+    out: dict[str, Any] = {}
+    try:
+        from torch._dynamo.utils import counters
+
+        out["counters"] = {k: int(v) for k, v in counters["inductor"].items() if "cudagraph" in k}
+        from torch._inductor import cudagraph_trees
+
+        mgr = cudagraph_trees.get_manager(create_if_none_exists=False) if torch.cuda.is_available() else None
+        if mgr is not None:
+            rerecords = [n for per_node in mgr.num_rerecord.values() for n in per_node.values()]
+            out["functions"] = len(mgr.ids_to_funcs)
+            out["rerecords_total"] = int(sum(rerecords))
+            out["rerecords_max"] = int(max(rerecords, default=0))
+            out["rerecord_limit"] = int(torch._inductor.config.triton.cudagraph_unexpected_rerecord_limit)
+            out["warmed_up_functions"] = len(mgr.warmed_up_functions)
+    except Exception as e:  # noqa: BLE001 - diagnostics only, internals differ between torch versions
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out

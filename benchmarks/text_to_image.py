@@ -467,6 +467,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result["e2e_s"] = metrics.median([r["e2e_s"] for r in runs])
     result["peak_mem_gib"] = metrics.peak_gib(device) if runs else None
     result.update(metrics.compile_counts(args.compiler, graphs0))
+    if args.compiler != "none":
+        result["cudagraphs"] = metrics.cudagraph_state()
     if not args.warm_child:
         # the device's measured matmul peak (after the timed runs: not in their peak memory)
         peak = metrics.device_peak(device)
