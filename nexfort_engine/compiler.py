@@ -70,6 +70,12 @@ def _fx_counters() -> tuple[int, int]:
     return int(c["fxgraph_cache_hit"]), int(c["fxgraph_cache_miss"])
 
 
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def _last_recompile_reason() -> str:
     try:
         from torch._dynamo.utils import get_compilation_metrics
@@ -280,6 +286,7 @@ class CompiledModule(torch.nn.Module):
         assert self._nx_compiled is not None
         graphs0 = self._nx_graphs
         hit0, miss0 = _fx_counters()
+        skips0 = _cudagraph_skips() if self._nx_cudagraphs else 0
         if self._nx_fp8 is not None:  # outside the graph: CUDA-graph replays skip the op's Python
             self._nx_fp8.refresh()
         t0 = time.perf_counter()
@@ -294,6 +301,8 @@ class CompiledModule(torch.nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()
             out = self._nx_compiled(*args, **kwargs)
         dt = time.perf_counter() - t0
+        if self._nx_cudagraphs and (skipped := _cudagraph_skips() - skips0):
+            counters.bump(self._nx_label, "cudagraph_skips", skipped)
         new = self._nx_graphs - graphs0
         if new:
             hit1, miss1 = _fx_counters()

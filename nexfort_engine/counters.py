@@ -22,6 +22,9 @@ COUNTERS = (
     "fallbacks",
     "calls",
     "corrupt_entries",
+    # CUDA-graph skips Inductor reported during our calls: a graph (or a call of it) that ran
+    # kernel by kernel instead of being replayed; the reason is logged under TORCH_LOGS=cudagraphs
+    "cudagraph_skips",
 )
 
 _lock = threading.Lock()

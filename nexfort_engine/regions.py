@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -156,10 +158,44 @@ def regions_key(regions: list[Region]) -> str:
     return ".regional." + hashlib.sha256(names.encode()).hexdigest()[:8]
 
 
+def _copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def copy(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _forward_on_copies(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    args, kwargs = _copy_inputs(args, kwargs)
+    return type(self).forward(self, *args, **kwargs)
+
+
+def block_forward(cls: type) -> Callable[..., Any]:
+    """What is compiled for a block class: its ``forward`` on in-graph copies of its floating
+    tensor arguments.
+
+    Why: ComfyUI's blocks update their inputs in place (Flux: ``img += gate * attn(...)``). A graph
+    that mutates an input which CUDA-graph trees do not manage (the first block's input comes from
+    the eager glue, every later one from that block) is run kernel by kernel instead of replayed
+    (cudagraph_trees ``non_cudagraph_managed_mutation_hint``), so a regional Flux step was bound by
+    Python launch overhead (BENCHMARKS.md, run20). Copied inside the graph, the update is
+    functional: Inductor fuses each copy into its consumers, the caller's tensor is left as it was
+    (ComfyUI uses the returned values), and every graph replays.
+
+    Each class gets its own code object, so Dynamo's per-code cache (and its recompile limit) is
+    per block class, as it is for the class's own ``forward``."""
+    code = _forward_on_copies.__code__.replace(co_name=f"{cls.__name__}_forward_on_copies")
+    return types.FunctionType(code, _forward_on_copies.__globals__, code.co_name)
+
+
 def compile_block_forward(region: Region, compiler: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
-    """``compiler(fn)`` applied to the blocks' class ``forward`` (Dynamo caches on that code object,
-    so all twins, and all regions of that class, share the cache)."""
-    return compiler(type(region.blocks[0]).forward)
+    """``compiler(fn)`` applied to :func:`block_forward` of the blocks' class (Dynamo caches on
+    that code object, so all twins, and all regions of that class, share the cache)."""
+    return compiler(_block_forwards.setdefault(type(region.blocks[0]), block_forward(type(region.blocks[0]))))
+
+
+#: one wrapper (one code object, one Dynamo cache) per block class for the process
+_block_forwards: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
 class _BlockCall:

@@ -177,3 +177,32 @@ def test_disk_full_while_committing_keeps_the_compiled_module(tmp_path, fresh_st
     s = fresh_stats()
     assert s["fallbacks"] == 0, s["fallback_reasons"]
     assert cm.failed is None and s["compiles"] == 1
+
+
+def test_cudagraph_skips_reported_during_a_call_are_counted(fresh_stats):
+    """Inductor's CUDA-graph skip counter, bumped while our compiled call runs (CUDA-graph trees
+    decided to run a graph kernel by kernel), shows up in our counters."""
+    from torch._dynamo.utils import counters as torch_counters
+
+    class Skipping(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    cm = nexfort_engine.compile(Skipping(), {"mode": "O1", "backend": "eager"}, label="skips")
+    x = torch.randn(3)
+    cm(x)
+    cm._nx_cudagraphs = True  # as on a GPU with the cudagraphs flag
+
+    class Skip(torch.nn.Module):  # what CUDA-graph trees do when they give up on a graph
+        def __init__(self, real):
+            super().__init__()
+            self.real = real
+
+        def forward(self, *a, **k):
+            torch_counters["inductor"]["cudagraph_skips"] += 2
+            return self.real(*a, **k)
+
+    cm._nx_compiled = Skip(cm._nx_compiled)
+    assert fresh_stats()["cudagraph_skips"] == 0
+    cm(x)
+    assert fresh_stats()["cudagraph_skips"] == 2

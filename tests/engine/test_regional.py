@@ -217,3 +217,62 @@ def test_deep_regions_do_not_nest():
     lone.wrap = torch.nn.ModuleList([Outer()])  # one outer block: its inner stack is the region
     [r] = regions.find_regions(lone, deep=True)
     assert r.path == "wrap.0.inner" and len(r.blocks) == 4
+
+
+class _InPlaceBlock(torch.nn.Module):
+    """Updates its input in place, as ComfyUI's Flux blocks do (``img += gate * attn(img)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        x += scale * self.lin(x)
+        return x
+
+
+def _mutated_placeholders(gm: torch.fx.GraphModule) -> list[str]:
+    import operator
+
+    inplace = {operator.iadd, operator.imul, operator.isub}
+    out = []
+    for node in gm.graph.nodes:
+        first = node.args[0] if node.args else None
+        if not (isinstance(first, torch.fx.Node) and first.op == "placeholder"):
+            continue
+        name = str(node.target)
+        if node.target in inplace or (node.op == "call_method" and name.endswith("_") and not name.startswith("_")):
+            out.append(f"{name}({first.name})")
+    return out
+
+
+def test_compiled_blocks_do_not_mutate_their_inputs(clean_dynamo):
+    """The compiled block works on in-graph copies of its tensor inputs (block_forward): its graph
+    has no in-place op on an input, which is what lets CUDA-graph trees replay it instead of
+    running it kernel by kernel; the caller's tensor is left alone and the result is eager's."""
+    root = torch.nn.Module()
+    root.blocks = torch.nn.ModuleList(_InPlaceBlock() for _ in range(4))
+    [region] = regions.find_regions(root)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = regions.compile_block_forward(region, lambda f: torch.compile(f, backend=backend))
+    # one wrapper (one Dynamo cache) per block class
+    assert regions.compile_block_forward(region, lambda f: f) is regions._block_forwards[_InPlaceBlock]
+    x = torch.randn(2, 3, 8)
+    kept = x.clone()
+    with torch.no_grad():
+        out = fn(root.blocks[0], x, 0.5)
+        expected = root.blocks[0](kept.clone(), 0.5)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x, kept)  # the caller's tensor was not updated in place
+    assert graphs and all(_mutated_placeholders(g) == [] for g in graphs)
+    # the check can fail: the plain forward does mutate its input in the graph
+    torch._dynamo.reset()
+    graphs.clear()
+    with torch.no_grad():
+        torch.compile(_InPlaceBlock.forward, backend=backend)(root.blocks[0], x.clone(), 0.5)
+    assert any(_mutated_placeholders(g) for g in graphs)
