@@ -151,8 +151,8 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
     """Flags + overrides -> scoped settings for this machine.
 
     ``fp8_capable``: the device has fp8 tensor cores (:func:`nexfort_engine.fp8.fp8_supported`).
-    fp8 linears are on only with ``"fp8": true``, on such a GPU or on CPU (correct, not faster:
-    for tests); unset (auto) means off, see the comment below.
+    fp8 linears are on with ``"fp8": true`` on such a GPU or on CPU (correct, not faster: for
+    tests), and with ``fp8`` unset (auto) when the mode has ``low-precision`` (O3) on such a GPU.
     """
     cuda = cuda_available() if cuda is None else cuda
     inductor: dict[str, Any] = dict(BASE_INDUCTOR)
@@ -175,11 +175,15 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
             inductor[key] = value
     if not cuda:
         runtime = {}
-    # auto (None) is off: measured on an H200 (BENCHMARKS.md, runs 8 and 14), even with weights
-    # quantized once per version, quantizing the activations costs more than the fp8 GEMMs save on
-    # SDXL (27.2 vs 30.3 it/s) and gains 8-10 % on Flux, at 1.4x (SDXL) / 1.5x (Flux) the peak
-    # memory (the fp8 weight copies); ``"fp8": true`` turns it on (also on CPU, for tests)
-    fp8 = config.fp8 is True and (fp8_capable or not cuda)
+    # auto (None): on with the low-precision flag (O3) on a GPU with fp8 tensor cores: issue 6's
+    # definition of low precision ("fp8 matmuls where the GPU has them"). Measured on an H200
+    # (BENCHMARKS.md, fourth session): Flux +32 % over bf16 (regional, 9.58 vs 7.25 it/s), SDXL
+    # +1 % (static), at a large error against fp32 on random weights and +1.8 GB (SDXL) / +11 GB
+    # (Flux) of fp8 weight copies; O2 never turns it on. ``"fp8": true`` forces it (also on CPU:
+    # correct, not faster, for tests), ``false`` keeps O3 in bf16/fp16.
+    low_precision = "low-precision" in config.flags and "low-precision" not in dropped
+    wanted = config.fp8 is True or (config.fp8 is None and low_precision)
+    fp8 = wanted and (fp8_capable or (config.fp8 is True and not cuda))
     if config.fp8 is True and not fp8:
         _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")
     # the fp8 path quantizes every linear's input per row in the graph: single-pass kernels for

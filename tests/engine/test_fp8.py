@@ -327,11 +327,14 @@ def test_low_precision_flag_mentions_fp8():
     assert "fp8" in nexfort_engine.FLAGS["low-precision"]
 
 
-def test_resolve_fp8_only_when_asked():
+def test_resolve_fp8_when_asked_or_low_precision_on_an_fp8_gpu():
     o3, o2 = parse_options({"mode": "O3"}), parse_options({"mode": "O3", "fp8": True})
-    # auto is off everywhere (measured slower than fp16 on SDXL/PixArt; BENCHMARKS.md run8)
-    assert S.resolve(o3, cuda=False).fp8 is False
-    assert S.resolve(o3, cuda=True, fp8_capable=True).fp8 is False
+    # auto: on with low-precision (O3) where the GPU has fp8 tensor cores, off elsewhere
+    assert S.resolve(o3, cuda=True, fp8_capable=True).fp8 is True
+    assert S.resolve(o3, cuda=True, fp8_capable=False).fp8 is False
+    assert S.resolve(o3, cuda=False).fp8 is False  # low-precision is dropped on CPU
+    assert S.resolve(parse_options({"mode": "O2"}), cuda=True, fp8_capable=True).fp8 is False
+    assert S.resolve(parse_options({"mode": "max-optimize:low-precision"}), cuda=True, fp8_capable=True).fp8 is True
     # forced: on with fp8 tensor cores, and on CPU (correct, for tests)
     assert S.resolve(o2, cuda=True, fp8_capable=True).fp8 is True
     assert S.resolve(o2, cuda=False).fp8 is True
@@ -349,10 +352,15 @@ def test_digest_tracks_effective_fp8():
     d_on = S.resolve(on, cuda=False).digest(on)
     assert d_on != d_off
     assert S.resolve(never, cuda=False).digest(never) == d_off  # both off: one cache entry
-    # auto (off) and never: one entry
+    # auto and forced agree where both are on (one entry); never is another entry
     o3, o3_never = parse_options({"mode": "O3"}), parse_options({"mode": "O3", "fp8": False})
+    o3_on = parse_options({"mode": "O3", "fp8": True})
     auto = S.resolve(o3, cuda=True, fp8_capable=True)
-    assert auto.digest(o3) == S.resolve(o3_never, cuda=True, fp8_capable=True).digest(o3_never)
+    assert auto.digest(o3) == S.resolve(o3_on, cuda=True, fp8_capable=True).digest(o3_on)
+    assert auto.digest(o3) != S.resolve(o3_never, cuda=True, fp8_capable=True).digest(o3_never)
+    # where auto is off (no fp8 GPU), auto and never share the entry
+    no_fp8 = S.resolve(o3, cuda=True, fp8_capable=False)
+    assert no_fp8.digest(o3) == S.resolve(o3_never, cuda=True, fp8_capable=False).digest(o3_never)
 
 
 # -- the compiled path
