@@ -165,6 +165,13 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
             continue
         inductor.update(FLAG_INDUCTOR[flag])
         runtime.update(FLAG_RUNTIME.get(flag, {}))
+    if config.dynamic and inductor.get("coordinate_descent_tuning"):
+        # max-autotune's coordinate-descent tuning of pointwise/reduction kernels is not reused
+        # by a second process for dynamic-shape kernels: on an H200 a warm start of Flux O3 spent
+        # 39.8 of its 56.5 s re-tuning (cold: 86.9 s) for +1-2 % speed (BENCHMARKS.md, fourth
+        # session). Static shapes keep it (PixArt O3 static started warm in 11.6 s). An explicit
+        # "inductor.coordinate_descent_tuning" option still wins (overrides come next).
+        inductor["coordinate_descent_tuning"] = False
     for key, value in config.overrides:
         if key in SEED_KEYS:
             where, target = SEED_KEYS[key]

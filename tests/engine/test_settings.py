@@ -116,3 +116,14 @@ def test_flag_table_lists_every_flag():
         assert f"`{flag}` (GPU only)" in table
     assert set(S.FLAG_INDUCTOR) == set(FLAGS)  # every flag has a row of settings (maybe empty)
     assert len(table.splitlines()) == len(FLAGS) + 2
+
+
+def test_dynamic_shape_drops_coordinate_descent_tuning_unless_asked():
+    """Its results are not reused by a second process for dynamic-shape kernels (a Flux O3 warm
+    start re-tuned for 40 s), so O3 with dynamic shape autotunes GEMMs only; static keeps it."""
+    dyn = S.resolve(parse_options({"mode": "O3"}), cuda=True)
+    static = S.resolve(parse_options({"mode": "O3", "dynamic": False}), cuda=True)
+    assert dyn.inductor["max_autotune"] and dyn.inductor["coordinate_descent_tuning"] is False
+    assert static.inductor["coordinate_descent_tuning"] is True
+    forced = S.resolve(parse_options({"mode": "O3", "options": {"inductor.coordinate_descent_tuning": True}}), cuda=True)
+    assert forced.inductor["coordinate_descent_tuning"] is True
