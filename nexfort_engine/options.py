@@ -42,8 +42,8 @@ FLAGS: dict[str, str] = {
     "cudagraphs": "CUDA graphs (per-shape graph trees) to remove CPU launch overhead",
     "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",
     "low-precision": (
-        "reduced-precision math: fp16/bf16 reduced-precision matmul/SDPA reductions, TF32 "
-        "(fp8 linears: the separate \"fp8\" option)"
+        "reduced-precision math: fp8 linears where the GPU has fp8 tensor cores (the \"fp8\" "
+        "option overrides), fp16/bf16 reduced-precision matmul/SDPA reductions, TF32"
     ),
     "cache-all": "persist every compile artifact (FX graph, AOTAutograd, autotune, portable cache)",
     "benchmark": "cuDNN benchmark mode for convolutions",

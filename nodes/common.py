@@ -61,7 +61,8 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             tooltip='Advanced JSON, the nexfort options format, e.g. {"mode": "max-autotune:cudagraphs", '
             '"options": {"inductor.coordinate_descent_tuning": true}}. Keys here override the widgets. '
             '{"regional": true} compiles a UNet\'s transformer blocks once each (SDXL: ~17 s instead of '
-            'minutes, a few % slower); {"fp8": true} runs linears in fp8 on Ada/Hopper. '
+            'minutes, a few % slower); {"fp8": true} runs linears in fp8 on Ada/Hopper (O3 does '
+            'that by default there; {"fp8": false} keeps O3 in bf16/fp16). '
             "Validated when the prompt is queued.",
         )
     )
