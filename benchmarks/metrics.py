@@ -378,7 +378,9 @@ def cudagraph_state() -> dict[str, Any]:
         out["counters"] = {k: int(v) for k, v in counters["inductor"].items() if "cudagraph" in k}
         from torch._inductor import cudagraph_trees
 
-        mgr = cudagraph_trees.get_manager(create_if_none_exists=False) if torch.cuda.is_available() else None
+        mgr = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            mgr = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
         if mgr is not None:
             rerecords = [n for per_node in mgr.num_rerecord.values() for n in per_node.values()]
             out["functions"] = len(mgr.ids_to_funcs)

@@ -47,7 +47,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     return {
         "none": _bench(tmp, "none", "--compiler", "none", "--profile"),
         "nexfort": _bench(tmp, "nexfort", "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}',
-                          "--cfg", "2"),
+                          "--cfg", "2", "--profile-host"),
         "_dir": {"path": str(tmp)},
     }
 
@@ -177,6 +177,23 @@ def test_profile_breakdown(results):
     assert abs(sum(cats.values()) - p["gpu_busy_ms_per_step"]) < 0.01 * p["gpu_busy_ms_per_step"] + 0.01 * len(cats)
     top = p["top_kernels"]
     assert top and top[0]["ms_per_step"] >= top[-1]["ms_per_step"]
+
+
+def test_profile_host_and_cudagraph_state(results):
+    """--profile-host: one cProfile'd sampling run, Python time per step by function; every
+    compiled row carries the CUDA-graph
+    trees' state (on the CPU: Inductor's counters only, no tree manager)."""
+    r = results["nexfort"]
+    h = r["profile_host"]
+    assert h["steps"] == 3 and h["wall_ms_per_step"] > 0
+    cum = h["top_cumulative"]
+    assert cum and all(a["cum_ms_per_step"] >= b["cum_ms_per_step"] for a, b in zip(cum, cum[1:]))
+    # the sampling run itself is profiled: ComfyUI's sampler covers most of the wall time
+    assert any("samplers.py" in row["fn"] for row in cum), [row["fn"] for row in cum]
+    assert cum[0]["cum_ms_per_step"] >= 0.5 * h["wall_ms_per_step"]
+    assert all(row["self_ms_per_step"] >= 0 and row["calls_per_step"] > 0 for row in h["top_self"])
+    cg = r["cudagraphs"]
+    assert "error" not in cg and isinstance(cg["counters"], dict) and "functions" not in cg
 
 
 def test_kernel_category():
