@@ -28,8 +28,11 @@ from typing import Any, Iterator
 
 __all__ = ["DEFAULT_LIMIT", "persistent_rows", "wants_persistent"]
 
-#: rows up to this many elements are reduced in one pass (Flux's widest linear input: 15360)
-DEFAULT_LIMIT = 16384
+#: rows up to this many elements are reduced in one pass. Measured on an H200 (BENCHMARKS.md, runs
+#: 14 and 20): one pass was faster up to 5120-element rows (SDXL's GEGLU: 62 -> 46 and 155 -> 80
+#: us per call; LayerNorm rows of 640-3072: 1.5-1.9x) and slower for Flux's 12288-element GELU
+#: rows (168 -> 200 us), so wider rows keep Inductor's looped reduction
+DEFAULT_LIMIT = 8192
 
 
 def _static_int(expr: Any) -> int | None:

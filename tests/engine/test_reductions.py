@@ -28,9 +28,10 @@ class Features:
 
 
 def test_wide_static_inner_rows_are_persistent_up_to_the_limit():
+    assert R.wants_persistent(Features(sympy.Integer(5120)), False, R.DEFAULT_LIMIT)
+    assert R.wants_persistent(Features(640), False, R.DEFAULT_LIMIT)
+    assert not R.wants_persistent(Features(sympy.Integer(12288)), False, R.DEFAULT_LIMIT)
     assert R.wants_persistent(Features(sympy.Integer(15360)), False, 16384)
-    assert R.wants_persistent(Features(640), False, 16384)
-    assert not R.wants_persistent(Features(sympy.Integer(20480)), False, 16384)
 
 
 def test_other_reductions_are_left_to_inductor():
