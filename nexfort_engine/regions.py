@@ -15,7 +15,10 @@ Why it is safe: nothing in the model is replaced or renamed (state-dict keys, Lo
 block's ``_compiled_call_impl`` - the slot ``nn.Module.__call__`` honours, the one
 ``nn.Module.compile()`` sets - points at the compiled function, and the previous value is restored
 afterwards, so an uncompiled clone sharing the model, or our eager fallback, sees plain modules.
-Blocks with hooks are left alone (a compiled ``forward`` would skip them).
+Blocks with hooks are left alone (a compiled ``forward`` would skip them). The compiled function
+works on in-graph copies of a block's tensor arguments (:func:`block_forward`): ComfyUI's blocks
+update their inputs in place, which would keep CUDA-graph trees from replaying them; the caller
+uses the returned values, as ComfyUI's models do.
 
 Used by :class:`nexfort_engine.compiler.CompiledModule` when the ``regional`` option is on, or
 ``None`` (auto) and :func:`find_regions` finds top-level block stacks holding most of the weights
