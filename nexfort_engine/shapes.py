@@ -115,8 +115,11 @@ SMALL_VIEW_NUMEL = 1 << 22
 def _block_input(v: Any, dynamic: bool) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
-    if dynamic and v._base is not None and v.numel() <= SMALL_VIEW_NUMEL:
-        return v.clone(memory_format=torch.contiguous_format)
+    if dynamic and v._base is not None:
+        if v.numel() <= SMALL_VIEW_NUMEL:
+            return v.clone(memory_format=torch.contiguous_format)
+        if not v.requires_grad:
+            v = v.detach()  # the same memory, no longer a view (see prepare_block_inputs)
     return v if v.is_contiguous() else v.contiguous()
 
 
@@ -132,6 +135,11 @@ def prepare_block_inputs(args: tuple, kwargs: dict, dynamic: bool = True) -> tup
       Dynamo fakes a view from its base, whose ``[B, L, ...]`` layout the heuristics of
       :func:`varying_dims` misread, so the sequence length would be guarded in the base's strides
       and every new resolution would recompile. That costs a few MB of copies per step.
+    * Under dynamic shape, large views are passed as plain tensors on the same memory
+      (``detach()``): Dynamo guards a view input through its base (``2 <= img._base.size()[0]``
+      for Flux's first double block on the GPU, whose input is a view of the patch embedding's
+      output), and the next block, given a plain tensor, failed that guard and compiled the stack
+      a second time (BENCHMARKS.md, fourth session).
     """
     args = tuple(_block_input(a, dynamic) for a in args)
     kwargs = {k: _block_input(v, dynamic) for k, v in kwargs.items()}

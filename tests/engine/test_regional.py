@@ -276,3 +276,19 @@ def test_compiled_blocks_do_not_mutate_their_inputs(clean_dynamo):
     with torch.no_grad():
         torch.compile(_InPlaceBlock.forward, backend=backend)(root.blocks[0], x.clone(), 0.5)
     assert any(_mutated_placeholders(g) for g in graphs)
+
+
+def test_block_inputs_are_never_views_under_dynamic_shape():
+    """A view input is guarded through its base by Dynamo, and the next block of the stack, given a
+    plain tensor, would fail that guard (Flux's first double block on the GPU): large views pass
+    as plain tensors on the same memory, small ones as copies."""
+    from nexfort_engine.shapes import SMALL_VIEW_NUMEL, prepare_block_inputs
+
+    big = torch.randn(2, SMALL_VIEW_NUMEL).view(2, 4, SMALL_VIEW_NUMEL // 4)
+    small = torch.randn(8).view(2, 4)
+    (a,), kw = prepare_block_inputs((big,), {"pe": small}, dynamic=True)
+    assert big._base is not None and a._base is None and a.data_ptr() == big.data_ptr()
+    assert torch.equal(a, big)
+    assert kw["pe"]._base is None and kw["pe"].data_ptr() != small.data_ptr()
+    (same,), _ = prepare_block_inputs((big,), {}, dynamic=False)  # static shape: untouched
+    assert same is big
