@@ -194,7 +194,11 @@ def block_forward(cls: type) -> Callable[..., Any]:
 def compile_block_forward(region: Region, compiler: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
     """``compiler(fn)`` applied to :func:`block_forward` of the blocks' class (Dynamo caches on
     that code object, so all twins, and all regions of that class, share the cache)."""
-    return compiler(_block_forwards.setdefault(type(region.blocks[0]), block_forward(type(region.blocks[0]))))
+    cls = type(region.blocks[0])
+    fn = _block_forwards.get(cls)
+    if fn is None:
+        fn = _block_forwards[cls] = block_forward(cls)
+    return compiler(fn)
 
 
 #: one wrapper (one code object, one Dynamo cache) per block class for the process
