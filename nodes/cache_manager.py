@@ -72,7 +72,8 @@ def report(store: CacheStore, message: str = "") -> str:
         lines.append(f"  {e['key'][:12]}  {_human(e['size_bytes']):>9}  hits={e['hits']}  used={used}  {e['label']} [{e['options']}]")
     lines.append(
         f"this session: compiles={s['compiles']} recompiles={s['recompiles']} cache hits={s['cache_hits']} "
-        f"misses={s['cache_misses']} fallbacks={s['fallbacks']} compile time={s['compile_seconds']:.1f}s"
+        f"misses={s['cache_misses']} fallbacks={s['fallbacks']} cudagraph skips={s.get('cudagraph_skips', 0)} "
+        f"compile time={s['compile_seconds']:.1f}s"
     )
     for label, m in s["models"].items():
         how = ("regional: " + ", ".join(m["regions"])) if m.get("regions") else "whole model"

@@ -33,6 +33,7 @@ _ENGINE_COUNTERS: dict[str, Any] = {
     "cache_misses": 0,
     "fallbacks": 0,
     "fallback_reasons": [],
+    "cudagraph_skips": 0,
     "compile_seconds": 0.0,
     "models": {},
 }

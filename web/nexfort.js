@@ -73,6 +73,9 @@ export function statusFor(node, body = stats) {
   parts.push(plural(sum("cache_hits"), "cache hit"));
   const recompiles = sum("recompiles");
   if (recompiles > 0) parts.push(plural(recompiles, "recompile"));
+  // CUDA graphs not replayed: the compiled model ran kernel by kernel (slower, still correct)
+  const skips = sum("cudagraph_skips");
+  if (skips > 0) parts.push(plural(skips, "CUDA-graph skip"));
   return { state, text: `nexfort: ${parts.join(" · ")}`, color: LOOK[state]?.[1] ?? LOOK.pending[1] };
 }
 
