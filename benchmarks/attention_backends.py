@@ -19,6 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import metrics  # noqa: E402
+
 #: model -> (batch, heads, query length, key length, head dim, dtype): the largest self-attention
 #: of each model at its benchmark size (batch 2 = cond + uncond)
 SHAPES: dict[str, tuple[int, int, int, int, int, torch.dtype]] = {
@@ -34,19 +38,6 @@ BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
-
-
-def _time(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def measure(name: str) -> dict:
@@ -68,7 +59,7 @@ def measure(name: str) -> dict:
                     with sdpa_kernel([backend]):
                         return F.scaled_dot_product_attention(q, k, v)
             out = call()
-            ms = _time(call)
+            ms = 1000.0 * metrics.time_op(call, q.device, iters=20)
             err = float((out[:1, :2].float() - ref).abs().max())
             row[label] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "max_err_vs_fp32": err}
         except Exception as e:  # noqa: BLE001 - an unsupported shape is a result

@@ -165,9 +165,10 @@ def flops_by_op(counter: Any) -> dict[str, int]:
     return {str(op).removeprefix("aten."): int(n) for op, n in counts.items()}
 
 
-def _time_op(fn: Any, device: torch.device, iters: int, blocks: int) -> float:
-    """Best seconds per call of ``fn`` over ``blocks`` timed blocks of ``iters`` calls (after warm-up)."""
-    for _ in range(3 if device.type == "cuda" else 1):
+def time_op(fn: Any, device: torch.device, iters: int, blocks: int = 1, warmup: int = 3) -> float:
+    """Best seconds per call of ``fn`` over ``blocks`` timed blocks of ``iters`` calls, after
+    ``warmup`` calls (one on CPU). On CUDA each block is timed with events around its calls."""
+    for _ in range(warmup if device.type == "cuda" else 1):
         fn()
     sync(device)
     best = float("inf")
@@ -216,7 +217,7 @@ def device_peak(device: torch.device, n: int | None = None) -> dict[str, Any]:
             a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
             b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
             c = torch.empty(n, n, device=device, dtype=dtype)
-            s = _time_op(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), device, iters, blocks)
+            s = time_op(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), device, iters, blocks)
             out[name] = 2 * n**3 / s / 1e12
         except Exception:  # noqa: BLE001 - a dtype without a matmul kernel on this device
             out[name] = None
@@ -228,7 +229,7 @@ def device_peak(device: torch.device, n: int | None = None) -> dict[str, Any]:
         for scaling, sa, sb in (("rowwise", torch.ones(n, 1, device=device), torch.ones(1, n, device=device)),
                                 ("tensorwise", one, one)):
             try:
-                s = _time_op(lambda sa=sa, sb=sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb,
+                s = time_op(lambda sa=sa, sb=sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb,
                                                                    out_dtype=torch.bfloat16), device, iters, blocks)
             except Exception:  # noqa: BLE001 - this scaling is not supported here
                 continue

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import metrics  # noqa: E402
 from nexfort_engine.fp8 import quantize_rowwise  # noqa: E402
 from nexfort_engine.reductions import persistent_rows  # noqa: E402
 
@@ -64,19 +65,6 @@ def _backend(limit: int) -> Callable[..., Any]:
     return backend
 
 
-def _time_ms(fn: Callable[[], Any], iters: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=50)
@@ -97,7 +85,8 @@ def main() -> None:
             torch._dynamo.reset()
             compiled = torch.compile(fn, backend=_backend(limit), dynamic=False)
             out = compiled(x)
-            row[label + " ms"] = round(_time_ms(lambda c=compiled, x=x: c(x), args.iters), 4)
+            seconds = metrics.time_op(lambda c=compiled, x=x: c(x), x.device, args.iters, warmup=5)
+            row[label + " ms"] = round(1000.0 * seconds, 4)
             outs[label] = out
         q0, s0 = outs["default"]
         q1, s1 = outs["persistent rows"]
