@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 REPO = Path(__file__).resolve().parent.parent
 PKG = "_nexfort_pack"
 ENGINE_KEYS = {"compiles", "recompiles", "recompile_reasons", "cache_hits", "cache_misses", "fallbacks",
-               "fallback_reasons", "compile_seconds", "models"}
+               "fallback_reasons", "cudagraph_skips", "compile_seconds", "models"}
 
 
 @pytest.fixture
@@ -101,6 +101,18 @@ def test_stats_route_answers_when_engine_and_cache_fail(routes, monkeypatch, tmp
     assert body["cache"] == []
     assert len(body["errors"]) == 2 and "no engine here" in body["errors"][0]
     assert "index unreadable" in body["errors"][1]
+
+
+def test_empty_engine_stats_carry_every_engine_counter(routes):
+    """The route's zero shape names every counter the engine reports, so a new counter (like
+    ``cudagraph_skips``) reaches the badge as 0, not as a missing key, when the engine is absent."""
+    counters = importlib.import_module("nexfort_engine.counters")
+    counters.reset()
+    engine = counters.snapshot()
+    not_shown = {"calls", "corrupt_entries"}  # internal counters the badge and the summary never read
+    missing = set(counters.COUNTERS) - not_shown - set(routes.empty_engine_stats())
+    assert not missing, f"route zero shape lacks engine counters {sorted(missing)}"
+    assert set(routes.empty_engine_stats()) <= set(engine)
 
 
 def test_empty_engine_stats_are_fresh_objects(routes):
