@@ -127,6 +127,8 @@ class CompiledModule(torch.nn.Module):
         self._nx_env: dict[str, str] | None = None
         self._nx_graphs = 0
         self._nx_regions: list[regions.Region] = []
+        #: under dynamic shape, the image input's spatial sizes are traced as multiples of this
+        self._nx_fold = 1
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         self._nx_cudagraphs = False
@@ -202,11 +204,17 @@ class CompiledModule(torch.nn.Module):
         self._nx_cudagraphs = bool(self._nx_settings.inductor.get("triton.cudagraphs")) and (
             self._nx_config.backend == "inductor"
         )
+        if not self._nx_regions:  # regional: the glue around the blocks runs eager
+            self._nx_fold = shapes.spatial_multiple(
+                self._orig_mod, self._nx_config.spatial_multiple, self._nx_config.dynamic
+            )
         if self._nx_store is not None:
             self._nx_env = environment_fingerprint(device)
             structure = f"{structure_digest(self._orig_mod)}.{self._nx_method}"
             # what was decided, not the option: auto and true share an entry when they agree
             structure += regions.regions_key(self._nx_regions)
+            if self._nx_fold > 1:
+                structure += f".fold{self._nx_fold}"
             key = entry_key(structure, self._nx_settings.digest(self._nx_config), self._nx_env)
             self._nx_entry = self._nx_store.entry(key)
             old_label = self._nx_label
@@ -216,6 +224,8 @@ class CompiledModule(torch.nn.Module):
         target = self._orig_mod if self._nx_method == "forward" else getattr(self._orig_mod, self._nx_method)
         if self._nx_regions:
             self._nx_compiled = self._compile_regions(target)
+        elif self._nx_fold > 1 and example is not None:
+            self._nx_compiled = self._torch_compile(shapes.unfolding(target, example.dim()))
         else:
             self._nx_compiled = self._torch_compile(target)
 
@@ -295,6 +305,7 @@ class CompiledModule(torch.nn.Module):
                 counters.set_info(self._nx_label, state="compiling")
             if self._nx_config.dynamic:  # marks are read only when Dynamo (re)compiles
                 shapes.mark_dynamic_dims(args, kwargs)
+                args = shapes.fold_spatial(args, self._nx_fold)
             if self._nx_cudagraphs:
                 # each call is a new inference step: its outputs are consumed before the next call
                 # (ComfyUI accumulates them at once), so CUDA-graph trees may reuse their memory

@@ -77,6 +77,7 @@ TOP_LEVEL_KEYS = (
     "size_oblivious",
     "fp8",
     "regional",
+    "spatial_multiple",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -108,6 +109,9 @@ class CompileConfig:
     #: (on when top-level stacks hold most of the weights: DiTs such as PixArt, Flux, Wan), True =
     #: also nested stacks (a UNet's transformer blocks: SDXL compiles in 18 s instead of 294 s)
     regional: bool | None = None
+    #: dynamic shape: trace the image input's spatial sizes as multiples of this (shapes.py:
+    #: fold_spatial); None = auto (8 for conv nets, 1 otherwise), 1 = as they come
+    spatial_multiple: int | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -165,6 +169,18 @@ def _as_optional_bool(key: str, value: Any) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
     raise OptionsError(f"{key!r} must be true, false or null (auto), got {value!r}")
+
+
+#: valid ``spatial_multiple`` values (shapes.fold_spatial; 1: trace the image's sizes as they come)
+SPATIAL_MULTIPLES = (1, 2, 4, 8, 16)
+
+
+def _as_spatial_multiple(value: Any) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in SPATIAL_MULTIPLES):
+        return value
+    raise OptionsError(
+        f"'spatial_multiple' must be null (auto) or one of {_choices(SPATIAL_MULTIPLES)}, got {value!r}"
+    )
 
 
 def _validate_override(key: str, value: Any) -> None:
@@ -253,6 +269,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         size_oblivious=_as_bool("size_oblivious", options.get("size_oblivious", False)),
         fp8=_as_optional_bool("fp8", options.get("fp8")),
         regional=_as_optional_bool("regional", options.get("regional")),
+        spatial_multiple=_as_spatial_multiple(options.get("spatial_multiple")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

@@ -134,6 +134,7 @@ class Settings:
         # entry's structure key: compiler.py), so keys made before these options stay valid
         d.pop("fp8", None)
         d.pop("regional", None)
+        d.pop("spatial_multiple", None)  # the effective multiple is in the structure key (compiler.py)
         if self.fp8:
             d["fp8"] = True
         if self.persistent_rows:

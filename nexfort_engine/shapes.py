@@ -28,7 +28,7 @@ Cost, measured (BENCHMARKS.md): on an H200 a symbolic-shape UNet compiles in ~23
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -161,6 +161,81 @@ def to_memory_format(args: tuple, kwargs: dict, memory_format: torch.memory_form
 
 #: a module with at least this many convolutions is a conv net (UNet, VAE), not a DiT's patch embed
 MIN_CONVS = 4
+
+#: the multiple a conv net's spatial sizes are traced as under dynamic shape (see :func:`fold_spatial`)
+SPATIAL_MULTIPLE = 8
+
+
+def spatial_multiple(module: torch.nn.Module, requested: int | None, dynamic: bool) -> int:
+    """The multiple the image input's spatial sizes are traced as: ``requested`` if given, else
+    :data:`SPATIAL_MULTIPLE` for conv nets (UNets, VAEs) and 1 for the rest; always 1 with static
+    shapes (the sizes are constants there)."""
+    if not dynamic:
+        return 1
+    if requested is not None:
+        return requested
+    return SPATIAL_MULTIPLE if conv_count(module) >= MIN_CONVS else 1
+
+
+def _foldable(v: Any, multiple: int) -> bool:
+    return (
+        isinstance(v, torch.Tensor)
+        and v.is_floating_point()
+        and v.dim() >= 4
+        # a quotient of 1 would be specialised (Dynamo's 0/1 rule): one more graph for tiny images
+        and all(s % multiple == 0 and s >= 2 * multiple for s in v.shape[2:])
+    )
+
+
+def fold_spatial(args: tuple, multiple: int) -> tuple:
+    """Pass the image input (``args[0]``, ``[B, C, *S]``) as ``[B, C, S0/m, m, S1/m, m, ...]``: the
+    same memory, with each spatial size split into a dynamic quotient and a static ``m``.
+
+    Under dynamic shape Dynamo gives H and W symbols of their own, so Inductor can assume nothing
+    about them: every index that splits a flattened spatial extent (GroupNorm groups, channels-last
+    pointwise kernels, a stride-2 convolution's ``(H - 1) // 2 + 1``, the UNet's skip
+    concatenations) becomes a runtime integer division, and vectorised loops need a tail (on CPU:
+    ``c10::div_floor_integer`` in 1815 places of a tiny UNet's code; none with the fold,
+    BENCHMARKS.md). Traced as ``8 * h`` the sizes are divisible by what the kernels need, the
+    downsampling arithmetic is exact (``(8h - 1) // 2 + 1 = 4h``) and sympy has less to simplify.
+    The compiled function gets the split view and :func:`unfolding` merges it back as its first
+    traced op (a free reshape). Images whose sizes are not multiples of ``multiple`` are passed
+    as they are: Dynamo guards the input's rank, so they make one more graph (counted, with
+    Dynamo's reason), as do sizes below ``2 * multiple`` (a quotient of 1 is specialised). Latents
+    of images in multiples of 64 pixels from 128 up (every common SD/SDXL size) are multiples of 8.
+
+    The view is detached so Dynamo sees a plain tensor on the same memory, not a view whose base
+    it would trace (and guard) too (see :func:`prepare_block_inputs`).
+    """
+    if multiple <= 1 or not args or not _foldable(args[0], multiple):
+        return args
+    x = args[0]
+    split: list[int] = [x.shape[0], x.shape[1]]
+    for s in x.shape[2:]:
+        split += [s // multiple, multiple]
+    folded = x.view(split).detach()
+    quotients = list(range(2, folded.dim(), 2))
+    torch._dynamo.maybe_mark_dynamic(folded, [0, *quotients])
+    for d in range(1, folded.dim()):
+        if d not in quotients:
+            torch._dynamo.mark_static(folded, d)
+    return (folded, *args[1:])
+
+
+def unfolding(fn: Callable[..., Any], ndim: int) -> Callable[..., Any]:
+    """``fn`` taking its image input either as it is (rank ``ndim``) or split by :func:`fold_spatial`
+    (rank ``2 + 2 * (ndim - 2)``), which it merges back before calling ``fn``."""
+    folded_rank = 2 + 2 * (ndim - 2)
+
+    def call(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, torch.Tensor) and ndim >= 4 and x.dim() == folded_rank:
+            merged = [x.shape[0], x.shape[1]]
+            for d in range(2, folded_rank, 2):
+                merged.append(x.shape[d] * x.shape[d + 1])
+            x = x.reshape(merged)
+        return fn(x, *args, **kwargs)
+
+    return call
 
 
 def conv_count(module: torch.nn.Module) -> int:

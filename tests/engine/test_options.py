@@ -111,6 +111,9 @@ def test_malformed_json_says_where_and_shows_example(text):
         ({"fuse_qkv_projections": None}, "must be true or false"),
         ({"options": [1]}, "'options' must be an object"),
         ({"options": {"overrides.matmul_allow_tf32": "true"}}, "must be true or false"),
+        ({"spatial_multiple": 3}, "one of 1, 2, 4, 8, 16"),
+        ({"spatial_multiple": True}, "'spatial_multiple' must be null (auto)"),
+        ({"spatial_multiple": "8"}, "'spatial_multiple' must be null (auto)"),
     ],
 )
 def test_wrong_types(options, needle):
@@ -144,3 +147,14 @@ def test_wrong_typed_value_for_real_inductor_key(key, value, needle):
         parse_options({"options": {key: value}})
         return
     assert needle in _err({"options": {key: value}})
+
+
+def test_spatial_multiple_parsed_and_kept_out_of_the_settings_digest():
+    from nexfort_engine.settings import resolve
+
+    assert parse_options({}).spatial_multiple is None
+    assert parse_options({"spatial_multiple": 4}).spatial_multiple == 4
+    # the decision (not the option) is in the entry's structure key (compiler.py), so entries made
+    # before the option existed keep their settings digest
+    auto, eight = parse_options({}), parse_options({"spatial_multiple": 8})
+    assert resolve(auto, cuda=False).digest(auto) == resolve(eight, cuda=False).digest(eight)
