@@ -15,6 +15,10 @@ W (and the schedule length) get their own symbols. Floats (sigma, cfg) are not s
 changing them never recompiles. All of it is scoped config patches entered around each compiled
 call, never process-wide assignments.
 
+Conv nets (UNets, VAEs) get their image input with the spatial sizes traced as multiples of 8
+(:func:`fold_spatial`): exact downsampling arithmetic and divisible loop bounds in the generated
+code instead of runtime floor divisions.
+
 Batch 1 vs batch >= 2: by default a size of 1 is specialised, so cfg 1 and cfg > 1 are two graphs
 (the issue's bound is 2). ``size_oblivious=True`` (option) compiles with backed size-oblivious
 semantics so both share one graph; it is off by default because Inductor computed NaN for a tiny
@@ -28,6 +32,7 @@ Cost, measured (BENCHMARKS.md): on an H200 a symbolic-shape UNet compiles in ~23
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -235,7 +240,14 @@ def unfolding(fn: Callable[..., Any], ndim: int) -> Callable[..., Any]:
             x = x.reshape(merged)
         return fn(x, *args, **kwargs)
 
-    return call
+    # Dynamo keeps graphs and automatic-dynamic state per code object: each wrapper gets a code
+    # object of its own, or the wrappers of a VAE's decode and encode (or of two models) would
+    # share one cache and fail each other's guards (recompiles, measured on the tiny VAE)
+    name = f"nexfort_unfold_{getattr(fn, '__name__', 'fn')}"
+    code = call.__code__.replace(co_name=name, co_qualname=name) if hasattr(call.__code__, "co_qualname") else (
+        call.__code__.replace(co_name=name)
+    )
+    return types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
 
 
 def conv_count(module: torch.nn.Module) -> int:

@@ -36,6 +36,14 @@ def test_fold_is_a_plain_tensor_on_the_same_memory_and_unfolds_exactly(memory_fo
     assert shapes.unfolding(lambda t: t, ndim=4)(x) is x
 
 
+def test_every_unfolding_wrapper_has_its_own_code_object():
+    """Dynamo caches graphs per code object: a VAE's decode and encode wrappers must not share one."""
+    a, b = shapes.unfolding(lambda t: t, ndim=4), shapes.unfolding(lambda t: -t, ndim=4)
+    assert a.__code__ is not b.__code__
+    x = torch.randn(1, 2, 16, 16)
+    assert torch.equal(b(_fold(x)), -x)
+
+
 def test_video_latents_fold_every_spatial_dim():
     x = torch.randn(1, 16, 16, 32, 48)
     f = _fold(x)

@@ -147,3 +147,25 @@ def test_compiled_vae_tiled_decode(patcher, vae, fresh_stats):
     assert out.shape == ref.shape and tm.rel_err(out, ref) <= TOL
     s = fresh_stats()
     assert s["fallbacks"] == 0 and any(k.startswith("TAESD.decode") and r["compiles"] for k, r in s["models"].items())
+
+
+def test_compiled_vae_folds_aligned_latents_and_images(patcher, vae, fresh_stats):
+    """Under dynamic shape the VAE (a conv net) gets its latent / image with the spatial sizes
+    traced as multiples of 8 (shapes.fold_spatial): two aligned sizes, one graph per method."""
+    cfg = nexfort_engine.parse_options(EAGER)
+    cv = patcher.compile_vae(vae, cfg)
+    gen = torch.Generator().manual_seed(2)
+    # both sizes above the CPU's mkldnn-convolution threshold (a size guard of its own, CPU only)
+    for h, w in [(24, 24), (24, 32)]:
+        lat = torch.randn(1, 4, h, w, generator=gen)
+        ref = vae.decode(lat)
+        assert tm.rel_err(cv.decode(lat), ref) <= TOL
+        img = ref.clamp(0, 1)  # 8x the latent: 192 x 192, 192 x 256 pixels
+        assert tm.rel_err(cv.encode(img), vae.encode(img)) <= TOL
+    s = fresh_stats()
+    compiled = {k.split(":")[0]: r for k, r in s["models"].items() if r["compiles"]}
+    assert set(compiled) == {"TAESD.decode", "TAESD.encode"}
+    assert all(r["compiles"] == 1 and r["recompiles"] == 0 for r in compiled.values()), {
+        k: r["recompile_reasons"] for k, r in compiled.items()}
+    per_method = cv.first_stage_model.inner.__dict__[patcher._ATTR]
+    assert {cm._nx_fold for cm in per_method.values()} == {8}
