@@ -208,6 +208,7 @@ class CompiledModule(torch.nn.Module):
             self._nx_fold = shapes.spatial_multiple(
                 self._orig_mod, self._nx_config.spatial_multiple, self._nx_config.dynamic
             )
+            counters.set_info(self._nx_label, spatial_multiple=self._nx_fold)
         if self._nx_store is not None:
             self._nx_env = environment_fingerprint(device)
             structure = f"{structure_digest(self._orig_mod)}.{self._nx_method}"

@@ -45,6 +45,8 @@ class _Record:
     fp8: bool = False
     #: regional compilation: the block groups compiled once each (empty: the whole model)
     regions: list[str] = field(default_factory=list)
+    #: dynamic shape: the image input's spatial sizes traced as multiples of this (shapes.fold_spatial)
+    spatial_multiple: int = 1
     updated: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
@@ -60,6 +62,7 @@ class _Record:
             node_ids=list(self.node_ids),
             fp8=self.fp8,
             regions=list(self.regions),
+            spatial_multiple=self.spatial_multiple,
             updated=self.updated,
         )
         return d

@@ -79,6 +79,8 @@ def report(store: CacheStore, message: str = "") -> str:
         how = ("regional: " + ", ".join(m["regions"])) if m.get("regions") else "whole model"
         if m.get("fp8"):
             how += ", fp8 linears"
+        if m.get("spatial_multiple", 1) > 1:
+            how += f", latent sizes traced as multiples of {m['spatial_multiple']}"
         lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "
                      f"hits={m['cache_hits']} ({how})")
         for r in m["recompile_reasons"][-3:]:

@@ -108,7 +108,7 @@ def test_engine_traces_aligned_latents_folded_with_one_graph(zoo, fresh_stats, c
     assert _graphs() - g0 == 1
     rec = fresh_stats()["models"][cm.label]
     assert rec["compiles"] == 1 and rec["recompiles"] == 0
-    assert cm._nx_fold == 8
+    assert cm._nx_fold == 8 and rec["spatial_multiple"] == 8  # shown by the Cache Manager
 
     out = tm.call_diffusion(mp, 96, 128, 2, 77, diffusion_model=cm)  # latent 12 x 16
     assert torch.equal(out, tm.call_diffusion(mp, 96, 128, 2, 77))
