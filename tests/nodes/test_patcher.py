@@ -151,8 +151,10 @@ def test_compiled_vae_tiled_decode(patcher, vae, fresh_stats):
 
 def test_compiled_vae_folds_aligned_latents_and_images(patcher, vae, fresh_stats):
     """Under dynamic shape the VAE (a conv net) gets its latent / image with the spatial sizes
-    traced as multiples of 8 (shapes.fold_spatial): two aligned sizes, one graph per method."""
-    cfg = nexfort_engine.parse_options(EAGER)
+    traced as multiples of 8 (shapes.fold_spatial): two aligned sizes, one graph per method.
+    The multiple is given explicitly (the auto default is 8 too): another config than the tests
+    above, so these are fresh compiled modules, not theirs with their graphs (the VAE is shared)."""
+    cfg = nexfort_engine.parse_options({**EAGER, "spatial_multiple": 8})
     cv = patcher.compile_vae(vae, cfg)
     gen = torch.Generator().manual_seed(2)
     # both sizes above the CPU's mkldnn-convolution threshold (a size guard of its own, CPU only)
