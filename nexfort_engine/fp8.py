@@ -186,9 +186,11 @@ class _Entry:
     version: int | None
     #: read inside a CUDA-graph capture: a replay may read ``q``/``scale`` without our Python
     captured: bool = False
+    #: marked by :meth:`WeightCache.invalidate`: the weight changed where no counter shows it
+    stale: bool = False
 
     def fresh(self, weight: torch.Tensor) -> bool:
-        return self.storage() is weight.untyped_storage() and self.version == _version(weight)
+        return not self.stale and self.storage() is weight.untyped_storage() and self.version == _version(weight)
 
     def quantize(self, weight: torch.Tensor, on_death: Callable[[weakref.ref], None]) -> None:
         with torch.no_grad():
@@ -203,6 +205,7 @@ class _Entry:
             self.storage = weakref.ref(storage, on_death)
         self.tensor = weakref.ref(weight)
         self.version = _version(weight)
+        self.stale = False
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -307,12 +310,13 @@ class WeightCache:
 
     def invalidate(self, keys: Iterable[_Key] | None = None) -> None:
         """Mark copies stale (all, or those of ``keys``): for in-place changes the version
-        counter cannot see (inference tensors)."""
+        counter cannot see (inference tensors). The next lookup or :meth:`refresh` re-quantizes
+        them in place from their live weight; a stale copy is never taken for a dead one."""
         with self._lock:
             for key in self._entries if keys is None else keys:
                 entry = self._entries.get(key)
                 if entry is not None:
-                    entry.storage = _dead_ref
+                    entry.stale = True
 
     def release(self, keys: Iterable[_Key] | None = None) -> None:
         """Free copies: all (only when no CUDA graph that captured one can run again), or those of
@@ -338,7 +342,7 @@ class WeightCache:
 
 
 class _DeadRef:
-    """A weak reference that is always dead: invalidated entries compare stale."""
+    """A weak reference that is always dead: a new entry's placeholder until :meth:`_Entry.bind`."""
 
     def __call__(self) -> None:
         return None

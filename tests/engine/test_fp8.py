@@ -276,6 +276,30 @@ def test_dead_weights_are_dropped_unless_captured(cache):
 
 @needs_cpu_fast_path
 @torch.no_grad()
+def test_invalidate_all_requantizes_live_weights_and_never_drops_them(cache):
+    """invalidate() with no keys marks every copy stale; a refresh that names no weights then
+    re-quantizes each from its live weight in place (it used to take them for dead weights and
+    drop the uncaptured ones, and leave captured ones stale)."""
+    x = torch.randn(1, 3, 32)
+    ws = [torch.randn(16, 32) for _ in range(2)]
+    for w in ws:
+        fp8_linear_cached(x, w)
+    cache.refresh()
+    _entry(ws[1]).captured = True
+    ptrs = [_entry(w).q.data_ptr() for w in ws]
+    for w in ws:
+        w.mul_(-1)
+    cache.invalidate()
+    assert cache.refresh() == 2 and len(cache) == 2 and cache.stats["dropped"] == 0
+    assert [_entry(w).q.data_ptr() for w in ws] == ptrs  # in place: captured graphs read the new values
+    for w in ws:
+        torch.testing.assert_close(fp8_linear_cached(x, w), fp8_linear(x, w), rtol=0, atol=0)
+    del ws[0]  # a stale-marked weight that dies is still dropped at once
+    assert len(cache) == 1 and cache.stats["dropped"] == 1
+
+
+@needs_cpu_fast_path
+@torch.no_grad()
 def test_inference_tensors_replaced_or_invalidated(cache):
     """ComfyUI loads and patches weights under inference_mode: no version counter. A replaced
     parameter (ComfyUI's default LoRA patching) is another storage; an in-place change needs
