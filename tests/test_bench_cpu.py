@@ -213,3 +213,24 @@ def test_kernel_category():
     assert kernel_category("triton_tem_fused_mm_0") == "gemm"
     assert kernel_category("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
     assert kernel_category("aten::mm") == "gemm" and kernel_category("aten::addmm") == "gemm"
+
+
+def test_unet_call_tool_reports_the_fold_and_the_generated_code(tmp_path):
+    """benchmarks/unet_call.py (compiler-side A/B outside the sampler) with the eager backend: it
+    runs, the fold is on by default and off with spatial_multiple 1, one graph over two sizes."""
+    tool = REPO / "benchmarks" / "unet_call.py"
+    results = {}
+    for sm in (None, 1):
+        options = {"mode": "O2", "backend": "eager", "spatial_multiple": sm}
+        out = tmp_path / f"fold{sm}.json"
+        cmd = [sys.executable, str(tool), "--options", json.dumps(options), "--size", "128", "128",
+               "--second-size", "128", "192", "--repeat", "2", "--cache-dir", str(tmp_path / f"c{sm}"),
+               "--output-json", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "NEXFORT_HOST": str(HOST)})
+        assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        results[sm] = json.loads(out.read_text())
+    assert results[None]["fold"] == 8 and results[1]["fold"] == 1
+    for r in results.values():
+        assert r["graphs"] == 1 and r["recompiles"] == 0 and r["fallbacks"] == 0
+        assert r["max_abs_err_vs_eager"] == 0.0 and r["cold_s"] > 0 and r["ms_per_call"] > 0
