@@ -11,31 +11,21 @@ from __future__ import annotations
 import asyncio
 import importlib
 import sys
-import types
-from pathlib import Path
 
 import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
+from pack_modules import nodes_module
 
-REPO = Path(__file__).resolve().parent.parent
-PKG = "_nexfort_pack"
 ENGINE_KEYS = {"compiles", "recompiles", "recompile_reasons", "cache_hits", "cache_misses", "fallbacks",
                "fallback_reasons", "cudagraph_skips", "compile_seconds", "models"}
 
 
 @pytest.fixture
 def routes():
-    pack = types.ModuleType(PKG)
-    pack.__path__ = [str(REPO)]
-    sub = types.ModuleType(f"{PKG}.nodes")  # not executing nodes/__init__.py (that needs ComfyUI)
-    sub.__path__ = [str(REPO / "nodes")]
-    sys.modules[PKG], sys.modules[f"{PKG}.nodes"] = pack, sub
-    try:
-        yield importlib.import_module(f"{PKG}.nodes.routes")
-    finally:
-        for name in [m for m in sys.modules if m == PKG or m.startswith(PKG + ".")]:
-            del sys.modules[name]
+    # nodes/__init__.py is not executed (that needs ComfyUI)
+    with nodes_module("routes") as mod:
+        yield mod
 
 
 def _get(route_table: web.RouteTableDef, path: str) -> tuple[int, dict]:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch._dynamo
 
 TESTS = Path(__file__).resolve().parent.parent
 if str(TESTS) not in sys.path:
@@ -41,3 +43,13 @@ def fresh_stats():
 def zoo(comfy_inproc):
     """name -> tiny ModelPatcher, built once per session (tests must not mutate them)."""
     return {name: build() for name, build in tiny_models.FAMILIES.items()}
+
+
+@pytest.fixture
+def clean_dynamo(monkeypatch):
+    """No cache dir from the environment, and Dynamo's caches and counters reset around the test
+    (graph counts are compared; test_regional.py has its own, with fresh counters too)."""
+    monkeypatch.delenv("NEXFORT_CACHE_DIR", raising=False)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

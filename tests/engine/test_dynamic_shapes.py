@@ -54,14 +54,6 @@ def _run_sweep(mp, family, compiled_mp) -> tuple[float, int]:
     return worst, len(_sweep(family))
 
 
-@pytest.fixture
-def clean_dynamo(monkeypatch):
-    monkeypatch.delenv("NEXFORT_CACHE_DIR", raising=False)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 FLUX_XFAIL = pytest.mark.xfail(
     strict=True,
     reason="Flux specialises on latent size (torch.linspace steps=(w+1)//2 in comfy/ldm/flux/model.py "

@@ -83,14 +83,6 @@ def test_multiple_is_decided_by_model_kind_and_shape_policy():
     assert shapes.spatial_multiple(dit, 4, dynamic=True) == 4
 
 
-@pytest.fixture
-def clean_dynamo(monkeypatch):
-    monkeypatch.delenv("NEXFORT_CACHE_DIR", raising=False)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 

@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from pathlib import Path
-
 import pytest
+from pack_modules import nodes_module
 
 import nexfort_engine
 from nexfort_engine import counters
 from nexfort_engine.cache import CacheStore
 
-REPO = Path(__file__).resolve().parent.parent.parent
-PKG = "_nexfort_pack_report"
-
 
 @pytest.fixture
 def cache_manager(comfy_inproc):
-    pack = types.ModuleType(PKG)
-    pack.__path__ = [str(REPO)]
-    sub = types.ModuleType(f"{PKG}.nodes")  # not executing nodes/__init__.py (it registers the nodes)
-    sub.__path__ = [str(REPO / "nodes")]
-    sys.modules[PKG], sys.modules[f"{PKG}.nodes"] = pack, sub
-    try:
-        yield importlib.import_module(f"{PKG}.nodes.cache_manager")
-    finally:
-        for name in [m for m in sys.modules if m == PKG or m.startswith(PKG + ".")]:
-            del sys.modules[name]
+    # nodes/__init__.py is not executed (it registers the nodes)
+    with nodes_module("cache_manager") as mod:
+        yield mod
 
 
 def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_path, fresh_stats):
