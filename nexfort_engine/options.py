@@ -38,12 +38,13 @@ class OptionsError(ValueError):
 #: Every mode flag, with the one-line meaning shown in errors and docs.
 FLAGS: dict[str, str] = {
     "max-autotune": "autotune GEMM/conv/pointwise kernels (slow first compile, cached afterwards)",
-    "max-optimize": "most aggressive fusion: epilogue/aggressive/permute fusion, shape padding",
+    "max-optimize": "most aggressive fusion: epilogue/aggressive fusion, shape padding",
     "cudagraphs": "CUDA graphs (per-shape graph trees) to remove CPU launch overhead",
     "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",
     "low-precision": (
         "reduced-precision math: fp8 linears where the GPU has fp8 tensor cores (the \"fp8\" "
-        "option overrides), fp16/bf16 reduced-precision matmul/SDPA reductions, TF32"
+        "option overrides), fp16 GEMMs accumulating in fp16 where fp8 is off, fp16/bf16 "
+        "reduced-precision matmul/SDPA reductions, TF32"
     ),
     "cache-all": "persist every compile artifact (FX graph, AOTAutograd, autotune, portable cache)",
     "benchmark": "cuDNN benchmark mode for convolutions",
@@ -86,6 +87,7 @@ SEED_OPTION_KEYS = (
     "triton.fuse_attention_allow_fp16_reduction",
     "overrides.conv_benchmark",
     "overrides.matmul_allow_tf32",
+    "overrides.matmul_allow_fp16_accumulation",
 )
 
 

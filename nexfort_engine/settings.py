@@ -40,10 +40,12 @@ FLAG_INDUCTOR: dict[str, dict[str, Any]] = {
         "max_autotune_pointwise": True,
         "coordinate_descent_tuning": True,
     },
+    # No ``permute_fusion``: its linear/permute rewrites match nothing in ComfyUI's UNets and DiTs
+    # (tests/engine/test_settings.py checks this on traced graphs), yet on GPU it runs a full fake
+    # ShapeProp over the graph before the cache lookup: ~7 s of every SDXL compile, warm ones too.
     "max-optimize": {
         "epilogue_fusion": True,
         "aggressive_fusion": True,
-        "permute_fusion": True,
         "shape_padding": True,
         "pattern_matcher": True,
     },
@@ -95,6 +97,7 @@ SEED_KEYS: dict[str, tuple[str, str]] = {
     "triton.fuse_attention_allow_fp16_reduction": ("runtime", "sdp_fp16_bf16_reduction"),
     "overrides.conv_benchmark": ("runtime", "cudnn_benchmark"),
     "overrides.matmul_allow_tf32": ("runtime", "matmul_allow_tf32"),
+    "overrides.matmul_allow_fp16_accumulation": ("runtime", "matmul_fp16_accumulation"),
 }
 
 #: Always on: dynamic shape with one graph for every resolution/batch/length (see shapes.py),
@@ -173,16 +176,6 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
         # session). Static shapes keep it (PixArt O3 static started warm in 11.6 s). An explicit
         # "inductor.coordinate_descent_tuning" option still wins (overrides come next).
         inductor["coordinate_descent_tuning"] = False
-    for key, value in config.overrides:
-        if key in SEED_KEYS:
-            where, target = SEED_KEYS[key]
-            (inductor if where == "inductor" else runtime)[target] = value
-        elif key.startswith("inductor."):
-            inductor[key[len("inductor."):]] = value
-        else:  # triton.*
-            inductor[key] = value
-    if not cuda:
-        runtime = {}
     # auto (None): on with the low-precision flag (O3) on a GPU with fp8 tensor cores: issue 6's
     # definition of low precision ("fp8 matmuls where the GPU has them"). Measured on an H200
     # (BENCHMARKS.md, fourth session): Flux +32 % over bf16 (regional, 9.58 vs 7.25 it/s), SDXL
@@ -194,6 +187,22 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
     fp8 = wanted and (fp8_capable or (config.fp8 is True and not cuda))
     if config.fp8 is True and not fp8:
         _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")
+    if low_precision and not fp8:
+        # "... fp16 accumulation otherwise" (issue 6): cuBLAS fp16 GEMMs accumulate in fp16
+        # (torch.backends.cuda.matmul.allow_fp16_accumulation), twice the tensor-core rate on
+        # consumer Ampere/Ada cards; bf16 GEMMs are unaffected. An explicit
+        # "overrides.matmul_allow_fp16_accumulation" still wins (overrides come next).
+        runtime["matmul_fp16_accumulation"] = True
+    for key, value in config.overrides:
+        if key in SEED_KEYS:
+            where, target = SEED_KEYS[key]
+            (inductor if where == "inductor" else runtime)[target] = value
+        elif key.startswith("inductor."):
+            inductor[key[len("inductor."):]] = value
+        else:  # triton.*
+            inductor[key] = value
+    if not cuda:
+        runtime = {}
     # the fp8 path quantizes every linear's input per row in the graph: single-pass kernels for
     # those rows (reductions.py) on the GPU; the CPU backend has no such choice
     rows = DEFAULT_LIMIT if fp8 and cuda else 0
@@ -214,6 +223,8 @@ def _runtime_switches() -> dict[str, tuple[Any, Any]]:
         "matmul_bf16_reduction": attr(b.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
         "cudnn_benchmark": attr(b.cudnn, "benchmark"),
     }
+    if hasattr(b.cuda.matmul, "allow_fp16_accumulation"):  # torch >= 2.7
+        sw["matmul_fp16_accumulation"] = attr(b.cuda.matmul, "allow_fp16_accumulation")
     if hasattr(b.cuda, "allow_fp16_bf16_reduction_math_sdp"):
         sw["sdp_fp16_bf16_reduction"] = (
             b.cuda.fp16_bf16_reduction_math_sdp_allowed,

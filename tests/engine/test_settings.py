@@ -65,6 +65,7 @@ def test_seed_option_keys_are_mapped():
         "triton.fuse_attention_allow_fp16_reduction": True,
         "overrides.conv_benchmark": False,
         "overrides.matmul_allow_tf32": True,
+        "overrides.matmul_allow_fp16_accumulation": True,
         "inductor.coordinate_descent_tuning": True,
         "triton.unique_kernel_names": True,
     }})
@@ -73,6 +74,7 @@ def test_seed_option_keys_are_mapped():
     assert s.runtime["sdp_fp16_bf16_reduction"] is True
     assert s.runtime["cudnn_benchmark"] is False  # overrides the benchmark flag's True
     assert s.runtime["matmul_allow_tf32"] is True
+    assert s.runtime["matmul_fp16_accumulation"] is True  # O2 alone would not set it
     assert s.inductor["coordinate_descent_tuning"] is True
     assert s.inductor["triton.unique_kernel_names"] is True
     for key, (where, target) in S.SEED_KEYS.items():
@@ -127,3 +129,43 @@ def test_dynamic_shape_drops_coordinate_descent_tuning_unless_asked():
     assert static.inductor["coordinate_descent_tuning"] is True
     forced = S.resolve(parse_options({"mode": "O3", "options": {"inductor.coordinate_descent_tuning": True}}), cuda=True)
     assert forced.inductor["coordinate_descent_tuning"] is True
+
+
+@pytest.mark.parametrize(
+    ("options", "fp8_capable", "want"),
+    [
+        ({"mode": "O3"}, False, True),  # low precision without fp8 tensor cores: fp16 accumulation
+        ({"mode": "O3"}, True, None),  # fp8 GPU: fp8 linears instead
+        ({"mode": "O3", "fp8": False}, True, True),  # fp8 opted out: fp16 accumulation again
+        ({"mode": "O2"}, False, None),  # lossless preset: never
+        ({"mode": "O3", "options": {"overrides.matmul_allow_fp16_accumulation": False}}, False, False),
+    ],
+)
+def test_low_precision_accumulates_fp16_gemms_in_fp16_where_fp8_is_off(options, fp8_capable, want):
+    s = S.resolve(parse_options(options), cuda=True, fp8_capable=fp8_capable)
+    assert s.runtime.get("matmul_fp16_accumulation") is want
+    assert "matmul_fp16_accumulation" not in S.resolve(parse_options(options), cuda=False).runtime
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "allow_fp16_accumulation"), reason="torch < 2.7")
+def test_fp16_accumulation_switch_set_and_restored():
+    m = torch.backends.cuda.matmul
+    before = m.allow_fp16_accumulation
+    with S.runtime_overrides({"matmul_fp16_accumulation": not before}):
+        assert m.allow_fp16_accumulation is (not before)
+    assert m.allow_fp16_accumulation is before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuBLAS fp16 GEMMs)")
+def test_fp16_accumulation_changes_cublas_results():
+    """On a GPU the switch reaches cuBLAS: a long fp16 dot product rounds differently."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(256, 8192, device="cuda", dtype=torch.float16, generator=g)
+    b = torch.randn(8192, 256, device="cuda", dtype=torch.float16, generator=g)
+    ref = a.float() @ b.float()
+    plain = a @ b
+    with S.runtime_overrides({"matmul_fp16_accumulation": True}):
+        fast = a @ b
+    err_plain = (plain.float() - ref).abs().max().item()
+    err_fast = (fast.float() - ref).abs().max().item()
+    assert err_fast > err_plain
