@@ -156,6 +156,7 @@ def test_fp16_accumulation_switch_set_and_restored():
     assert m.allow_fp16_accumulation is before
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuBLAS fp16 GEMMs)")
 def test_fp16_accumulation_changes_cublas_results():
     """On a GPU the switch reaches cuBLAS: a long fp16 dot product rounds differently."""
