@@ -34,7 +34,7 @@ from .cache.store import ENV_CACHE_DIR
 from .fp8 import Fp8LinearMode, ModuleWeights, fp8_supported
 from .options import CompileConfig, parse_options
 from .reductions import persistent_rows
-from .settings import Settings, resolve, runtime_overrides
+from .settings import Settings, fp16_accumulation_pays, resolve, runtime_overrides
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,13 @@ class CompiledModule(torch.nn.Module):
     def _setup(self, example: torch.Tensor | None) -> None:
         device = str(example.device) if example is not None else "cpu"
         fp8_capable = example is not None and fp8_supported(example.device)
-        self._nx_settings = resolve(self._nx_config, cuda=device.startswith("cuda"), fp8_capable=fp8_capable)
+        capability = torch.cuda.get_device_capability(example.device) if device.startswith("cuda") else None
+        self._nx_settings = resolve(
+            self._nx_config,
+            cuda=device.startswith("cuda"),
+            fp8_capable=fp8_capable,
+            fp16_accumulation=fp16_accumulation_pays(capability),
+        )
         layout = shapes.layout_patches(self._orig_mod, device.startswith("cuda"))
         if layout and self._nx_config.backend == "inductor":
             self._nx_settings = dataclasses.replace(

@@ -43,8 +43,8 @@ FLAGS: dict[str, str] = {
     "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",
     "low-precision": (
         "reduced-precision math: fp8 linears where the GPU has fp8 tensor cores (the \"fp8\" "
-        "option overrides), fp16 GEMMs accumulating in fp16 where fp8 is off, fp16/bf16 "
-        "reduced-precision matmul/SDPA reductions, TF32"
+        "option overrides), else fp16 GEMMs accumulating in fp16 where that is faster (Turing/"
+        "Ampere GeForce-class GPUs), fp16/bf16 reduced-precision matmul/SDPA reductions, TF32"
     ),
     "cache-all": "persist every compile artifact (FX graph, AOTAutograd, autotune, portable cache)",
     "benchmark": "cuDNN benchmark mode for convolutions",

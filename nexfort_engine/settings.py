@@ -151,10 +151,26 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: bool = False) -> Settings:
+#: CUDA capabilities whose fp16 tensor cores run twice as fast accumulating in fp16 and that have
+#: no fp8: Turing and Ampere GeForce-class parts. Not sm80 (A100) nor sm89+/sm90 (fp8 GPUs, where
+#: fp32 accumulation runs at the full rate): on an H200, fp16 accumulation made SD2.1 768² 3.5 %
+#: slower (72.8 vs 75.5 it/s) and lossy (BENCHMARKS.md, sixth session).
+FP16_ACCUMULATION_CAPABILITIES = ((7, 5), (8, 6), (8, 7))
+
+
+def fp16_accumulation_pays(capability: tuple[int, int] | None) -> bool:
+    """Whether a GPU of this CUDA capability gains from accumulating fp16 GEMMs in fp16."""
+    return capability is not None and tuple(capability) in FP16_ACCUMULATION_CAPABILITIES
+
+
+def resolve(
+    config: CompileConfig, *, cuda: bool | None = None, fp8_capable: bool = False, fp16_accumulation: bool = False
+) -> Settings:
     """Flags + overrides -> scoped settings for this machine.
 
     ``fp8_capable``: the device has fp8 tensor cores (:func:`nexfort_engine.fp8.fp8_supported`).
+    ``fp16_accumulation``: the device's fp16 GEMMs run faster accumulating in fp16
+    (:func:`fp16_accumulation_pays`); ``low-precision`` then turns that on.
     fp8 linears are on with ``"fp8": true`` on such a GPU or on CPU (correct, not faster: for
     tests), and with ``fp8`` unset (auto) when the mode has ``low-precision`` (O3) on such a GPU.
     """
@@ -187,11 +203,11 @@ def resolve(config: CompileConfig, *, cuda: bool | None = None, fp8_capable: boo
     fp8 = wanted and (fp8_capable or (config.fp8 is True and not cuda))
     if config.fp8 is True and not fp8:
         _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")
-    if low_precision and not fp8:
-        # "... fp16 accumulation otherwise" (issue 6): cuBLAS fp16 GEMMs accumulate in fp16
-        # (torch.backends.cuda.matmul.allow_fp16_accumulation), twice the tensor-core rate on
-        # consumer Ampere/Ada cards; bf16 GEMMs are unaffected. An explicit
-        # "overrides.matmul_allow_fp16_accumulation" still wins (overrides come next).
+    if low_precision and not fp8 and fp16_accumulation:
+        # "... fp16 accumulation otherwise" (issue 6): on GPUs without fp8 whose tensor cores
+        # gain from it, cuBLAS fp16 GEMMs accumulate in fp16
+        # (torch.backends.cuda.matmul.allow_fp16_accumulation); bf16 GEMMs are unaffected. An
+        # explicit "overrides.matmul_allow_fp16_accumulation" still wins (overrides come next).
         runtime["matmul_fp16_accumulation"] = True
     for key, value in config.overrides:
         if key in SEED_KEYS:
