@@ -43,6 +43,11 @@ LOG="$WORK/log.txt"
 : > "$LOG"
 log() { echo "$*" | tee -a "$LOG"; }
 export PYTHONUNBUFFERED=1
+# The device image sets PYTHONDONTWRITEBYTECODE=1 and ships torch without __pycache__, so every new
+# process compiled torch's, ComfyUI's and our sources to bytecode again (1.5 s of Flux's 10.4 s warm
+# start, BENCHMARKS.md sixth session). A pip-installed torch has its .pyc files: measure like that.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="$WORK/pycache"
 
 # 1. ComfyUI + wheels + the pack
 if [ ! -f "$ROOT/.device/comfyui.tar.gz" ]; then
