@@ -41,7 +41,7 @@ FLAG_INDUCTOR: dict[str, dict[str, Any]] = {
         "coordinate_descent_tuning": True,
     },
     # No ``permute_fusion``: its linear/permute rewrites match nothing in ComfyUI's UNets and DiTs
-    # (tests/engine/test_settings.py checks this on traced graphs), yet on GPU it runs a full fake
+    # (tests/engine/test_permute_fusion.py checks this on traced graphs), yet on GPU it runs a full fake
     # ShapeProp over the graph before the cache lookup: ~7 s of every SDXL compile, warm ones too.
     "max-optimize": {
         "epilogue_fusion": True,
@@ -151,10 +151,11 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-#: CUDA capabilities whose fp16 tensor cores run twice as fast accumulating in fp16 and that have
-#: no fp8: Turing and Ampere GeForce-class parts. Not sm80 (A100) nor sm89+/sm90 (fp8 GPUs, where
-#: fp32 accumulation runs at the full rate): on an H200, fp16 accumulation made SD2.1 768² 3.5 %
-#: slower (72.8 vs 75.5 it/s) and lossy (BENCHMARKS.md, sixth session).
+#: CUDA capabilities without fp8 whose GeForce parts (Turing, Ampere GA10x) run fp16 tensor-core
+#: math twice as fast accumulating in fp16 (the professional cards of the same capabilities gain
+#: less; none of these was measured here). Not sm80 (A100) nor sm89+/sm90 (fp8 GPUs), where fp32
+#: accumulation runs at the full rate: on an H200, fp16 accumulation made SD2.1 768² 3.5 % slower
+#: (72.8 vs 75.5 it/s) and lossy (BENCHMARKS.md, sixth session).
 FP16_ACCUMULATION_CAPABILITIES = ((7, 5), (8, 6), (8, 7))
 
 
