@@ -7,6 +7,7 @@
 #                            tests, API nodes, models, outputs, caches (~7 MB)
 #   .whl/                    cp312 manylinux wheels ComfyUI needs that the device image lacks:
 #                            torchsde, trampoline (torchsde's dependency), av
+#   .whltest/                pytest and its dependencies, to run the gpu-marked tests there
 # Then a device call carries both: run(carry=[".device", ".whl"],
 #   command='bash scripts/device_run.sh -- "--model sd21 --compiler none" ...').
 #
@@ -22,6 +23,8 @@ FORCE=0
 
 # Wheels pinned to what the host venv runs (ComfyUI 0.3.75 works with these).
 WHEELS=(torchsde==0.2.6 trampoline==0.1.2 av==18.1.0)
+# pure-Python wheels for running the gpu-marked tests there (.whltest/, carried only for that)
+TEST_WHEELS=(pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1)
 
 cd "$ROOT"
 if [ ! -f "$HOST/comfy/model_management.py" ]; then
@@ -62,4 +65,16 @@ for spec in "${WHEELS[@]}"; do
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$spec"
 done
 ls -1 .whl
-du -ch .device .whl | tail -1 | sed 's/total/carried in total (limit 64 MiB with the tree)/'
+
+# 3. pytest for the GPU-marked tests, kept apart (device_run.sh installs every .whl/*.whl):
+#   run(carry=[".device", ".whl", ".whltest"], command='pip install -q --no-deps --target /tmp/pt
+#       .whltest/*.whl; PYTHONPATH=/tmp/pt python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine')
+mkdir -p .whltest
+grep -qxF "/.whltest/" .git/info/exclude 2>/dev/null || echo "/.whltest/" >> .git/info/exclude
+for spec in "${TEST_WHEELS[@]}"; do
+    pkg="${spec%%==*}"; ver="${spec##*==}"
+    ls .whltest/ 2>/dev/null | grep -qiE "^${pkg}-${ver}-" && [ "$FORCE" = 0 ] && continue
+    rm -f .whltest/"${pkg}"-*.whl
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whltest "$spec"
+done
+du -ch .device .whl .whltest | tail -1 | sed 's/total/carried in total (limit 64 MiB with the tree)/'
