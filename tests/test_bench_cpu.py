@@ -234,3 +234,23 @@ def test_unet_call_tool_reports_the_fold_and_the_generated_code(tmp_path):
     for r in results.values():
         assert r["graphs"] == 1 and r["recompiles"] == 0 and r["fallbacks"] == 0
         assert r["max_abs_err_vs_eager"] == 0.0 and r["cold_s"] > 0 and r["ms_per_call"] > 0
+
+
+def test_profile_warm_start_script(tmp_path):
+    """benchmarks/profile_warm_start.sh (a device tool) on CPU: a cold run fills the cache, the warm
+    child runs under cProfile, and the profile, its text summary and the child's result come out."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "ComfyUI").symlink_to(HOST)
+    out = tmp_path / "out"
+    env = {**os.environ, "NEXFORT_DEVICE_WORK": str(work), "OUT": str(out), "PYTHON": sys.executable}
+    args = "--device cpu --tiny --model flux --steps 3 --compiler-config '{\"backend\": \"eager\"}'"
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "profile_warm_start.sh"), "tiny", args],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RESULT model=flux" in proc.stdout and "tiny warm-up" in proc.stdout
+    assert (out / "tiny_warm.prof").stat().st_size > 0
+    summary = (out / "tiny_warm.txt").read_text()
+    assert "cumulative" in summary and "nexfort_engine" in summary
+    child = json.loads((out / "tiny_child.json").read_text())["runs"][0]
+    assert child["warmup_s"] > 0 and child["cache_dir_was_empty"] is False
