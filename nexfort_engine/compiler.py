@@ -188,15 +188,13 @@ class CompiledModule(torch.nn.Module):
 
     def _setup(self, example: torch.Tensor | None) -> None:
         device = str(example.device) if example is not None else "cpu"
+        cuda = device.startswith("cuda")
         fp8_capable = example is not None and fp8_supported(example.device)
-        capability = torch.cuda.get_device_capability(example.device) if device.startswith("cuda") else None
+        capability = torch.cuda.get_device_capability(example.device) if cuda else None
         self._nx_settings = resolve(
-            self._nx_config,
-            cuda=device.startswith("cuda"),
-            fp8_capable=fp8_capable,
-            fp16_accumulation=fp16_accumulation_pays(capability),
+            self._nx_config, cuda=cuda, fp8_capable=fp8_capable, fp16_accumulation=fp16_accumulation_pays(capability)
         )
-        layout = shapes.layout_patches(self._orig_mod, device.startswith("cuda"))
+        layout = shapes.layout_patches(self._orig_mod, cuda)
         if layout and self._nx_config.backend == "inductor":
             self._nx_settings = dataclasses.replace(
                 self._nx_settings, inductor={**self._nx_settings.inductor, **layout}

@@ -22,20 +22,30 @@ from nexfort_engine import settings as S
 from nexfort_engine.options import parse_options
 
 
-def _dynamo_graph(mp, h: int, w: int) -> tuple[torch.fx.GraphModule, list]:
+def _dynamo_graph(fn, *args, **kwargs) -> tuple[torch.fx.GraphModule, list]:
+    """The graph (and example inputs) Dynamo hands a backend for ``fn(*args, **kwargs)``, where
+    ``fn`` calls a module compiled with the ``compile`` it is given."""
     captured: dict[str, object] = {}
 
     def capture(gm, example_inputs):
         captured["gm"], captured["inputs"] = gm, list(example_inputs)
         return gm.forward
 
-    compiled = torch.compile(mp.model.diffusion_model, backend=capture, dynamic=True)
-    tm.call_diffusion(mp, h=h, w=w, batch=2, ctx_len=77, diffusion_model=compiled)
+    fn(lambda m, **opts: torch.compile(m, backend=capture, **opts), *args, **kwargs)
     return captured["gm"], captured["inputs"]  # type: ignore[return-value]
 
 
 def _ops(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     return [(n.op, str(n.target)) for n in gm.graph.nodes]
+
+
+def _rewrite(gm: torch.fx.GraphModule, inputs: list, *passes) -> torch.fx.GraphModule:
+    """What fuse_fx does on a GPU with permute_fusion on (pre_grad.fuse_fx): a fake ShapeProp,
+    then the rewrites."""
+    ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+    for rewrite in passes:
+        gm = rewrite(gm)
+    return gm
 
 
 def test_max_optimize_leaves_permute_fusion_off():
@@ -46,13 +56,16 @@ def test_max_optimize_leaves_permute_fusion_off():
 
 @pytest.mark.parametrize("family", ["sd15", "pixart", "flux"])
 def test_permute_rewrites_match_nothing_in_comfy_models(zoo, clean_dynamo, family):
-    gm, inputs = _dynamo_graph(zoo[family], h=512, w=512)
+    mp = zoo[family]
+
+    def sample(compile_fn):
+        compiled = compile_fn(mp.model.diffusion_model, dynamic=True)
+        tm.call_diffusion(mp, h=512, w=512, batch=2, ctx_len=77, diffusion_model=compiled)
+
+    gm, inputs = _dynamo_graph(sample)
     before = _ops(gm)
-    # what fuse_fx does on a GPU with permute_fusion on (pre_grad.fuse_fx)
-    ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
-    gm = pre_grad.linear_permute_fusion(gm)
-    gm = pre_grad.permute_linear_fusion(gm)
-    gm = pre_grad.permute_matmul_fusion(gm)
+    gm = _rewrite(gm, inputs, pre_grad.linear_permute_fusion, pre_grad.permute_linear_fusion,
+                  pre_grad.permute_matmul_fusion)
     assert len(before) > 100
     assert _ops(gm) == before
 
@@ -68,15 +81,10 @@ def test_the_check_sees_a_rewrite(clean_dynamo):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.proj(x.permute(0, 2, 1))
 
-    captured: dict[str, object] = {}
+    def call(compile_fn):
+        with torch.no_grad():
+            compile_fn(PermuteLinear())(torch.randn(2, 8, 5))
 
-    def capture(gm, example_inputs):
-        captured["gm"], captured["inputs"] = gm, list(example_inputs)
-        return gm.forward
-
-    with torch.no_grad():
-        torch.compile(PermuteLinear(), backend=capture)(torch.randn(2, 8, 5))
-    gm = captured["gm"]
+    gm, inputs = _dynamo_graph(call)
     before = _ops(gm)
-    ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*captured["inputs"])
-    assert _ops(pre_grad.permute_linear_fusion(gm)) != before
+    assert _ops(_rewrite(gm, inputs, pre_grad.permute_linear_fusion)) != before
