@@ -29,14 +29,20 @@ class StepTimer:
 
     device: torch.device
     marks: list[Any] = field(default_factory=list)
+    #: host clock at each callback: the host's own time per step. On a GPU the host runs ahead of
+    #: the device unless something synchronises, so a host step as long as the device step means
+    #: the step is host-bound (or synchronises), a shorter one that the GPU is the limit.
+    host_marks: list[float] = field(default_factory=list)
 
     def __call__(self, step: int, x0: Any, x: Any, total_steps: int) -> None:
+        now = time.perf_counter()
+        self.host_marks.append(now)
         if self.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self.marks.append(ev)
         else:
-            self.marks.append(time.perf_counter())
+            self.marks.append(now)
 
     def seconds_between(self) -> list[float]:
         """Durations of steps 2..N (seconds); call after a sync."""
@@ -49,6 +55,11 @@ class StepTimer:
     def it_per_s(self) -> float | None:
         d = self.seconds_between()
         return len(d) / sum(d) if d and sum(d) > 0 else None
+
+    def host_ms_per_step(self) -> float | None:
+        """Median host time between callbacks of steps 2..N (ms)."""
+        d = [b - a for a, b in zip(self.host_marks, self.host_marks[1:], strict=False)]
+        return statistics.median(d) * 1000.0 if d else None
 
 
 def median(values: list[float]) -> float | None:
@@ -317,6 +328,10 @@ def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: 
                                     sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:160], "category": category[n], "ms_per_step": round(us / 1000.0 / steps, 3),
                          "calls_per_step": round(c / steps, 1)} for n, (us, c) in ranked],
+        # every generated (Triton) kernel, to compare two compiles of one model kernel by kernel
+        "triton_kernels": {n: [round(us / 1000.0 / steps, 4), round(c / steps, 1)]
+                           for n, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])
+                           if category[n] == "triton" or n.startswith("triton_")},
     }
 
 

@@ -176,7 +176,8 @@ class Runner:
         )
         metrics.sync(self.device)
         e2e = time.perf_counter() - t0
-        return out, {"e2e_s": e2e, "it_s": timer.it_per_s(), "steps_seen": len(timer.marks)}
+        return out, {"e2e_s": e2e, "it_s": timer.it_per_s(), "host_ms_per_step": timer.host_ms_per_step(),
+                     "steps_seen": len(timer.marks)}
 
     def profile(self, mp: Any, height: int, width: int, steps: int) -> dict[str, Any]:
         """One sampling run under ``torch.profiler``: GPU kernel time per step by category."""
@@ -465,6 +466,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result["runs"] = runs
     result["it_s"] = metrics.median([r["it_s"] for r in runs])
     result["e2e_s"] = metrics.median([r["e2e_s"] for r in runs])
+    result["host_ms_per_step"] = metrics.median([r.get("host_ms_per_step") for r in runs])
     result["peak_mem_gib"] = metrics.peak_gib(device) if runs else None
     result.update(metrics.compile_counts(args.compiler, graphs0))
     if args.compiler != "none":

@@ -33,6 +33,7 @@ from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, s
 from .cache.store import ENV_CACHE_DIR
 from .fp8 import Fp8LinearMode, ModuleWeights, fp8_supported
 from .options import CompileConfig, parse_options
+from .passes import group_norm
 from .reductions import persistent_rows
 from .settings import Settings, fp16_accumulation_pays, resolve, runtime_overrides
 
@@ -129,6 +130,9 @@ class CompiledModule(torch.nn.Module):
         self._nx_regions: list[regions.Region] = []
         #: under dynamic shape, the image input's spatial sizes are traced as multiples of this
         self._nx_fold = 1
+        #: F.group_norm -> passes.group_norm (decided in _setup)
+        self._nx_group_norm = False
+        self._nx_group_norms = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         self._nx_cudagraphs = False
@@ -163,6 +167,9 @@ class CompiledModule(torch.nn.Module):
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """Dynamo's backend: compile one graph; count it only once it compiled (Dynamo may restart
         an analysis, e.g. TensorifyScalarRestartAnalysis, by raising from inside the backend)."""
+        if self._nx_group_norm and (n := group_norm.rewrite_group_norms(gm)):
+            self._nx_group_norms += n
+            counters.set_info(self._nx_label, group_norms_rewritten=self._nx_group_norms)
         compiled = self._compile_graph(gm, example_inputs)
         self._nx_graphs += 1
         return compiled
@@ -199,6 +206,12 @@ class CompiledModule(torch.nn.Module):
             self._nx_settings = dataclasses.replace(
                 self._nx_settings, inductor={**self._nx_settings.inductor, **layout}
             )
+        self._nx_group_norm = group_norm.wanted(
+            self._nx_config.group_norm_rewrite,
+            channels_last_forced=bool(layout),
+            inductor=self._nx_config.backend == "inductor",
+            dynamic=self._nx_config.dynamic,
+        )
         if self._nx_method == "forward":
             self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
         counters.set_info(self._nx_label, fp8=self._nx_settings.fp8, regions=[r.name for r in self._nx_regions])

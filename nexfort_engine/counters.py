@@ -47,6 +47,8 @@ class _Record:
     regions: list[str] = field(default_factory=list)
     #: dynamic shape: the image input's spatial sizes traced as multiples of this (shapes.fold_spatial)
     spatial_multiple: int = 1
+    #: F.group_norm calls compiled in channels-last order (passes/group_norm.py), all graphs
+    group_norms_rewritten: int = 0
     updated: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
@@ -63,6 +65,7 @@ class _Record:
             fp8=self.fp8,
             regions=list(self.regions),
             spatial_multiple=self.spatial_multiple,
+            group_norms_rewritten=self.group_norms_rewritten,
             updated=self.updated,
         )
         return d

@@ -79,6 +79,7 @@ TOP_LEVEL_KEYS = (
     "fp8",
     "regional",
     "spatial_multiple",
+    "group_norm_rewrite",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -114,6 +115,10 @@ class CompileConfig:
     #: dynamic shape: trace the image input's spatial sizes as multiples of this (shapes.py:
     #: fold_spatial); None = auto (8 for conv nets, 1 otherwise), 1 = as they come
     spatial_multiple: int | None = None
+    #: GroupNorm reduced in channels-last memory order (passes/group_norm.py); None = auto (on under
+    #: dynamic shape where Inductor keeps a conv net channels-last: GPU, shapes.layout_patches),
+    #: True/False = always/never
+    group_norm_rewrite: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -272,6 +277,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         fp8=_as_optional_bool("fp8", options.get("fp8")),
         regional=_as_optional_bool("regional", options.get("regional")),
         spatial_multiple=_as_spatial_multiple(options.get("spatial_multiple")),
+        group_norm_rewrite=_as_optional_bool("group_norm_rewrite", options.get("group_norm_rewrite")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

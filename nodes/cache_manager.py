@@ -81,6 +81,8 @@ def report(store: CacheStore, message: str = "") -> str:
             how += ", fp8 linears"
         if m.get("spatial_multiple", 1) > 1:
             how += f", latent sizes traced as multiples of {m['spatial_multiple']}"
+        if m.get("group_norms_rewritten"):
+            how += f", {m['group_norms_rewritten']} GroupNorms in channels-last order"
         lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "
                      f"hits={m['cache_hits']} ({how})")
         for r in m["recompile_reasons"][-3:]:

@@ -58,6 +58,9 @@ def test_eager_run(results):
     assert r["dtype"] == "float32"  # ComfyUI picks float32 on the CPU
     assert r["it_s"] > 0 and r["e2e_s"] > 0 and r["warmup_s"] > 0
     assert r["runs"][0]["steps_seen"] == 3
+    # on the CPU the host clock is the step clock: 2 intervals of 3 steps, their median in ms
+    run = r["runs"][0]
+    assert 0 < run["host_ms_per_step"] <= 2 * 1000.0 / run["it_s"]
     assert r["latent_finite"] and r["latent_std"] > 0
     assert r["compiles"] == 0 and r["peak_mem_gib"] is None
 
