@@ -22,10 +22,13 @@ same ``(x - mean) * rsqrt(var + eps) * weight + bias`` in float32, cast once to 
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["group_norm_channels_last", "rewrite_group_norms", "wanted"]
+__all__ = ["cache_marks", "group_norm_channels_last", "rewrite_group_norms", "wanted"]
 
 
 def wanted(option: bool | None, *, channels_last_forced: bool, inductor: bool, dynamic: bool) -> bool:
@@ -78,3 +81,14 @@ def rewrite_group_norms(gm: torch.fx.GraphModule) -> int:
         gm.recompile()
     return n
 
+
+
+def cache_marks() -> dict[str, str]:
+    """Inductor's ``unsafe_marked_cacheable_functions`` entry for :func:`group_norm_channels_last`:
+    AOTAutograd's cache only stores graphs whose functions it knows, and bypassed, every warm start
+    re-traces the whole model through AOTAutograd (SD2.1 768² on an H200: 51 s instead of 24 s).
+    The function is pure and fully determined by its source, whose hash is the value (it joins
+    the cache keys, so an edited function never reuses an old artifact)."""
+    fn = group_norm_channels_last
+    digest = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    return {f"{fn.__module__}.{fn.__name__}": digest}
