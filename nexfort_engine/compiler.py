@@ -217,6 +217,7 @@ class CompiledModule(torch.nn.Module):
             channels_last_forced=bool(layout),
             inductor=self._nx_config.backend == "inductor",
             dynamic=self._nx_config.dynamic,
+            forward=self._nx_method == "forward",
         )
         if self._nx_method == "forward":
             self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)

@@ -115,9 +115,9 @@ class CompileConfig:
     #: dynamic shape: trace the image input's spatial sizes as multiples of this (shapes.py:
     #: fold_spatial); None = auto (8 for conv nets, 1 otherwise), 1 = as they come
     spatial_multiple: int | None = None
-    #: GroupNorm reduced in channels-last memory order (passes/group_norm.py); None = auto (on under
-    #: dynamic shape where Inductor keeps a conv net channels-last: GPU, shapes.layout_patches),
-    #: True/False = always/never
+    #: GroupNorm reduced in channels-last memory order (passes/group_norm.py); None = auto (on for a
+    #: conv net's forward - a UNet, not a VAE's decode - under dynamic shape where Inductor keeps it
+    #: channels-last: GPU, shapes.layout_patches), True/False = always/never
     group_norm_rewrite: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)

@@ -31,14 +31,17 @@ import torch.nn.functional as F
 __all__ = ["cache_marks", "group_norm_channels_last", "rewrite_group_norms", "wanted"]
 
 
-def wanted(option: bool | None, *, channels_last_forced: bool, inductor: bool, dynamic: bool) -> bool:
+def wanted(
+    option: bool | None, *, channels_last_forced: bool, inductor: bool, dynamic: bool, forward: bool = True
+) -> bool:
     """Whether to rewrite: the option when set; auto (``None``) where it was measured to pay, i.e.
-    Inductor compiles a conv net forced channels-last (GPU) under dynamic shape. Under static shape
-    the divisions are by constants and ATen's decomposition was as fast (SD2.1 768² static: 75.2
-    it/s with the rewrite, 75.6-75.8 without; BENCHMARKS.md, seventh session)."""
+    Inductor compiles a conv net's ``forward`` (a UNet) forced channels-last (GPU) under dynamic
+    shape. Under static shape the divisions are by constants and ATen's decomposition was as fast
+    (SD2.1 768² static: 75.2 it/s with the rewrite, 75.6-75.8 without; BENCHMARKS.md, seventh
+    session). A VAE's ``decode``/``encode`` (``forward=False``) was not measured: auto leaves it."""
     if option is not None:
         return option
-    return channels_last_forced and inductor and dynamic
+    return channels_last_forced and inductor and dynamic and forward
 
 
 def group_norm_channels_last(

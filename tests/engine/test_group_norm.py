@@ -101,6 +101,7 @@ def test_auto_rule():
     assert not wanted(None, channels_last_forced=True, inductor=True, dynamic=False)  # static: no gain
     assert not wanted(None, channels_last_forced=False, inductor=True, dynamic=True)  # CPU / DiT
     assert not wanted(None, channels_last_forced=True, inductor=False, dynamic=True)  # eager backends
+    assert not wanted(None, channels_last_forced=True, inductor=True, dynamic=True, forward=False)  # VAE decode
     assert wanted(True, channels_last_forced=False, inductor=False, dynamic=False)
     assert not wanted(False, channels_last_forced=True, inductor=True, dynamic=True)
 
