@@ -139,3 +139,20 @@ def test_inductor_compiles_the_rewrite_under_dynamic_shape(tmp_path, fresh_stats
     assert rec["group_norms_rewritten"] == 1
     aot = counters["aot_autograd"]
     assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_saved"] == 1, dict(aot)
+
+
+def test_cache_mark_names_the_function_and_follows_its_source(monkeypatch):
+    from nexfort_engine.passes import group_norm
+
+    (name, digest), = group_norm.cache_marks().items()
+    fn = group_norm.group_norm_channels_last
+    assert name == f"{fn.__module__}.{fn.__name__}" and len(digest) == 16
+    # without source files (e.g. a bytecode-only install) the mark still exists, from the code object
+    import inspect
+
+    def no_source(obj):
+        raise OSError("no source")
+
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    (name2, digest2), = group_norm.cache_marks().items()
+    assert name2 == name and len(digest2) == 16 and digest2 != digest
