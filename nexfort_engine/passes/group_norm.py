@@ -87,7 +87,6 @@ def rewrite_group_norms(gm: torch.fx.GraphModule) -> int:
     return n
 
 
-
 def cache_marks() -> dict[str, str]:
     """Inductor's ``unsafe_marked_cacheable_functions`` entry for :func:`group_norm_channels_last`:
     AOTAutograd's cache only stores graphs whose functions it knows, and bypassed, every warm start
