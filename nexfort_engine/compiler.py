@@ -32,10 +32,12 @@ from . import counters, regions, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR
 from .fp8 import Fp8LinearMode, ModuleWeights, fp8_supported
+from .indexing import int32_size_args
 from .options import CompileConfig, parse_options
 from .passes import group_norm
 from .reductions import persistent_rows
 from .settings import Settings, fp16_accumulation_pays, resolve, runtime_overrides
+from .weight_layout import ChannelsLastWeights
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,8 @@ class CompiledModule(torch.nn.Module):
         self._nx_cudagraphs = False
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
         self._nx_fp8: ModuleWeights | None = None
+        #: channels-last conv weights (weight_layout.py), refreshed before every compiled call
+        self._nx_conv_weights: ChannelsLastWeights | None = None
         self._nx_memory_format = (
             torch.channels_last if config.memory_format == "channels_last" else None
         )
@@ -189,6 +193,8 @@ class CompiledModule(torch.nn.Module):
         if self._nx_group_norm:
             from torch._inductor import config as inductor_config
 
+            group_norm.register_lowering()
+
             marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
             if marked is not None:  # torch versions without it bypass AOTAutograd's cache
                 patches["unsafe_marked_cacheable_functions"] = {**marked, **group_norm.cache_marks()}
@@ -196,7 +202,7 @@ class CompiledModule(torch.nn.Module):
             from .passes.fuse_qkv import FuseQKVPass
 
             patches["post_grad_custom_pre_pass"] = FuseQKVPass()
-        with persistent_rows(self._nx_settings.persistent_rows):
+        with persistent_rows(self._nx_settings.persistent_rows), int32_size_args(self._nx_settings.int32_size_args):
             return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _setup(self, example: torch.Tensor | None) -> None:
@@ -212,6 +218,9 @@ class CompiledModule(torch.nn.Module):
             self._nx_settings = dataclasses.replace(
                 self._nx_settings, inductor={**self._nx_settings.inductor, **layout}
             )
+        if layout and self._nx_config.backend == "inductor":
+            self._nx_conv_weights = ChannelsLastWeights(self._orig_mod)
+            self._refresh_conv_weights()
         self._nx_group_norm = group_norm.wanted(
             self._nx_config.group_norm_rewrite,
             channels_last_forced=bool(layout),
@@ -324,6 +333,8 @@ class CompiledModule(torch.nn.Module):
         skips0 = _cudagraph_skips() if self._nx_cudagraphs else 0
         if self._nx_fp8 is not None:  # outside the graph: CUDA-graph replays skip the op's Python
             self._nx_fp8.refresh()
+        if self._nx_conv_weights is not None:
+            self._refresh_conv_weights()
         t0 = time.perf_counter()
         with self._scope():
             if graphs0 == 0:
@@ -346,6 +357,11 @@ class CompiledModule(torch.nn.Module):
         else:
             counters.add_seconds(self._nx_label, "compiled_call", dt)
         return out
+
+    def _refresh_conv_weights(self) -> None:
+        assert self._nx_conv_weights is not None
+        if self._nx_conv_weights.refresh():
+            counters.set_info(self._nx_label, channels_last_weights=self._nx_conv_weights.converted)
 
     def _after_compile(self, new: int, seconds: float, hits: int, misses: int) -> None:
         label = self._nx_label

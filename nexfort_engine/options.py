@@ -80,6 +80,7 @@ TOP_LEVEL_KEYS = (
     "regional",
     "spatial_multiple",
     "group_norm_rewrite",
+    "int32_size_args",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -119,6 +120,9 @@ class CompileConfig:
     #: conv net's forward - a UNet, not a VAE's decode - under dynamic shape where Inductor keeps it
     #: channels-last: GPU, shapes.layout_patches), True/False = always/never
     group_norm_rewrite: bool | None = None
+    #: 32-bit symbolic size arguments in Inductor's Triton kernels that index in 32 bits
+    #: (indexing.py); None = auto (on on the GPU under dynamic shape), True/False = always/never
+    int32_size_args: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -278,6 +282,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         regional=_as_optional_bool("regional", options.get("regional")),
         spatial_multiple=_as_spatial_multiple(options.get("spatial_multiple")),
         group_norm_rewrite=_as_optional_bool("group_norm_rewrite", options.get("group_norm_rewrite")),
+        int32_size_args=_as_optional_bool("int32_size_args", options.get("int32_size_args")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import indexing
 from .options import FLAGS, CompileConfig
 from .reductions import DEFAULT_LIMIT
 
@@ -124,6 +125,8 @@ class Settings:
     #: inner reductions of rows up to this many elements are single-pass kernels (0: Inductor's
     #: default); on with fp8, for its per-row activation quantization (:mod:`.reductions`)
     persistent_rows: int = 0
+    #: 32-bit ``ks*`` arguments in Triton kernels that index in 32 bits (:mod:`.indexing`)
+    int32_size_args: bool = False
 
     def digest(self, config: CompileConfig) -> str:
         """Hash of what actually shapes the compiled artifacts on this machine (cache keys):
@@ -142,6 +145,9 @@ class Settings:
             d["fp8"] = True
         if self.persistent_rows:
             d["persistent_rows"] = self.persistent_rows
+        d.pop("int32_size_args", None)  # the effective value, only when on (older keys stay valid)
+        if self.int32_size_args:
+            d["int32_size_args"] = True
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -223,7 +229,14 @@ def resolve(
     # the fp8 path quantizes every linear's input per row in the graph: single-pass kernels for
     # those rows (reductions.py) on the GPU; the CPU backend has no such choice
     rows = DEFAULT_LIMIT if fp8 and cuda else 0
-    return Settings(inductor=inductor, runtime=runtime, dropped=dropped, fp8=fp8, persistent_rows=rows)
+    return Settings(
+        inductor=inductor,
+        runtime=runtime,
+        dropped=dropped,
+        fp8=fp8,
+        persistent_rows=rows,
+        int32_size_args=indexing.wanted(config.int32_size_args, cuda=cuda, dynamic=config.dynamic),
+    )
 
 
 def _runtime_switches() -> dict[str, tuple[Any, Any]]:

@@ -26,11 +26,56 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cache_marks", "group_norm_channels_last", "rewrite_group_norms", "wanted"]
+__all__ = ["cache_marks", "channels_last_input", "group_norm_channels_last", "rewrite_group_norms", "wanted"]
+
+
+@torch.library.custom_op("nexfort::channels_last_input", mutates_args=())
+def channels_last_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in channels-last memory (4-D). Eager (the reference): a channels-last copy.
+
+    Compiled, Inductor lowers it to a layout requirement, not a copy (:func:`register_lowering`):
+    a producer whose layout is still open (a decoder's ``torch.cat``) is laid out channels-last.
+    Without it, a producer read only through :func:`group_norm_channels_last`'s view was laid out
+    (N, C, H, W) and the statistics walked it across channels: on an H200 those SD2.1 decoder
+    kernels ran 4-30x slower than their memory traffic (BENCHMARKS.md, eighth session). Torch's
+    own ``prims.inductor_force_stride_order`` does this too, but torch 2.11 cannot order symbolic
+    strides in its lowering (``cannot determine truth value of Relational``)."""
+    return x.clone(memory_format=torch.channels_last)
+
+
+@channels_last_input.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.channels_last)
+
+
+#: channels-last as Inductor's stride order of a 4-D tensor: (N, C, H, W) ranked by stride
+_CHANNELS_LAST_ORDER = [3, 0, 2, 1]
+_lowering_registered = False
+
+
+def register_lowering() -> None:
+    """Register :func:`channels_last_input`'s Inductor lowering (once; before a compile that may
+    contain it): ``require_stride_order`` fixes an open layout in place, copies otherwise."""
+    global _lowering_registered
+    if _lowering_registered:
+        return
+    from torch._inductor import ir
+    from torch._inductor.lowering import lowerings
+    from torch._inductor.lowering import register_lowering as inductor_register_lowering
+
+    op = torch.ops.nexfort.channels_last_input.default
+    if op not in lowerings:
+
+        @inductor_register_lowering(op, type_promotion_kind=None)
+        def _lower(x: object) -> object:
+            return ir.ExternKernel.require_stride_order(x, _CHANNELS_LAST_ORDER)
+
+    _lowering_registered = True
 
 
 def wanted(
@@ -63,6 +108,9 @@ def group_norm_channels_last(
     if x.dim() < 3 or x.shape[1] % num_groups:
         return F.group_norm(x, num_groups, weight, bias, eps)
     n, c = x.shape[0], x.shape[1]
+    if x.dim() == 4:
+        # pinned channels-last before it is viewed (see channels_last_input)
+        x = torch.ops.nexfort.channels_last_input(x)
     xs = x.movedim(1, -1)  # (N, *spatial, C)
     xg = xs.reshape(n, -1, num_groups, c // num_groups).float()
     var, mean = torch.var_mean(xg, dim=(1, 3), keepdim=True, correction=0)
@@ -91,11 +139,12 @@ def cache_marks() -> dict[str, str]:
     """Inductor's ``unsafe_marked_cacheable_functions`` entry for :func:`group_norm_channels_last`:
     AOTAutograd's cache only stores graphs whose functions it knows, and bypassed, every warm start
     re-traces the whole model through AOTAutograd (SD2.1 768² on an H200: 51 s instead of 24 s).
-    The function is pure and fully determined by its source, whose hash is the value (it joins
-    the cache keys, so an edited function never reuses an old artifact)."""
+    The function is pure and fully determined by this module's source (it, the op it calls and
+    that op's lowering), whose hash is the value: it joins the cache keys, so an edited module
+    never reuses an old artifact."""
     fn = group_norm_channels_last
     try:
-        source = inspect.getsource(fn).encode()
+        source = inspect.getsource(sys.modules[__name__]).encode()
     except (OSError, TypeError):  # no source shipped: the bytecode and constants identify it too
         source = fn.__code__.co_code + repr(fn.__code__.co_consts).encode()
     return {f"{fn.__module__}.{fn.__name__}": hashlib.sha256(source).hexdigest()[:16]}
