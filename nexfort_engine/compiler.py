@@ -225,7 +225,6 @@ class CompiledModule(torch.nn.Module):
             self._nx_config.group_norm_rewrite,
             channels_last_forced=bool(layout),
             inductor=self._nx_config.backend == "inductor",
-            dynamic=self._nx_config.dynamic,
             forward=self._nx_method == "forward",
         )
         if self._nx_method == "forward":

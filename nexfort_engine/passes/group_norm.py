@@ -1,22 +1,22 @@
 """GroupNorm written in the order channels-last memory is laid out (reference: F.group_norm).
 
 What: :func:`group_norm_channels_last` computes ``torch.nn.functional.group_norm`` with the
-channel axis moved last: the input is viewed as ``(N, spatial, G, C/G)`` and the statistics are
-reduced over dims 1 and 3 in float32, then the normalised values are scaled, shifted, cast back
-and the channel axis moved back to dim 1. :func:`rewrite_group_norms` swaps it in for
-every ``F.group_norm`` call of a Dynamo graph before Inductor compiles it (the FX-graph cache key
+channel axis moved last: the input is pinned channels-last (:func:`channels_last_input`), viewed
+as ``(N, *spatial, G, C/G)``, and the statistics are reduced over the spatial dims and the
+channels of each group in float32; the normalised values are scaled, shifted, cast back and the
+channel axis moved back to dim 1. :func:`rewrite_group_norms` swaps it in for every
+``F.group_norm`` call of a Dynamo graph before Inductor compiles it (the FX-graph cache key
 follows: it hashes the graph after this rewrite).
 
 Why: on a GPU, Inductor keeps conv nets channels-last (``force_layout_optimization``, see
 :func:`nexfort_engine.shapes.layout_patches`). ATen's group-norm decomposition reduces each
 group in (channel, position) order, which on channels-last memory is a strided walk; Inductor
-then indexes every element as ``r // HW`` and ``r % HW``. With static shapes those are divisions
-by constants; with symbolic shapes they are 64-bit divisions by a runtime value inside the
-innermost loop. On an H200, SD2.1 768² with symbolic shapes spent 2.9 ms per step in group-norm
-kernels against 1.7 ms with static shapes (BENCHMARKS.md, seventh session). Reduced in memory
-order, the normalisation kernels lose their divisions by H·W; Inductor's own split of the
-statistics reduction still keeps one symbolic modulo per element. Measured: 2.87 -> 2.61 ms of
-GroupNorm kernels, SD2.1 768² +1.4 %, SDXL +2.1 % (same call), lossless against float32.
+then indexes every element as ``r // HW`` and ``r % HW`` (64-bit divisions by a runtime value
+under dynamic shape). Reduced in memory order, the normalisation kernels lose those divisions.
+Seventh session: SD2.1 768² +1.4 %, SDXL +2.1 % (dynamic shape). Eighth session, with the input
+pinned channels-last (a decoder's ``torch.cat`` had been laid out (N, C, H, W) and read across
+channels) and the conv weights channels-last (``weight_layout.py``): it pays under static shape
+too (SD2.1 768² static 79.9 -> 83.5 it/s, same call), lossless against float32.
 
 Numerics: the same float32 mean/variance (Welford in Inductor, as for ATen's decomposition), the
 same ``(x - mean) * rsqrt(var + eps) * weight + bias`` in float32, cast once to the input dtype.
@@ -78,17 +78,15 @@ def register_lowering() -> None:
     _lowering_registered = True
 
 
-def wanted(
-    option: bool | None, *, channels_last_forced: bool, inductor: bool, dynamic: bool, forward: bool = True
-) -> bool:
+def wanted(option: bool | None, *, channels_last_forced: bool, inductor: bool, forward: bool = True) -> bool:
     """Whether to rewrite: the option when set; auto (``None``) where it was measured to pay, i.e.
-    Inductor compiles a conv net's ``forward`` (a UNet) forced channels-last (GPU) under dynamic
-    shape. Under static shape the divisions are by constants and ATen's decomposition was as fast
-    (SD2.1 768² static: 75.2 it/s with the rewrite, 75.6-75.8 without; BENCHMARKS.md, seventh
-    session). A VAE's ``decode``/``encode`` (``forward=False``) was not measured: auto leaves it."""
+    Inductor compiles a conv net's ``forward`` (a UNet) forced channels-last (GPU), under dynamic
+    and static shape alike (SD2.1 768² on an H200, same call: static 83.5 it/s with the rewrite,
+    79.9 without; dynamic 69.4 -> 79.7 with the layout fixes of the eighth session). A VAE's
+    ``decode``/``encode`` (``forward=False``) was not measured: auto leaves it."""
     if option is not None:
         return option
-    return channels_last_forced and inductor and dynamic and forward
+    return channels_last_forced and inductor and forward
 
 
 def group_norm_channels_last(
@@ -107,14 +105,18 @@ def group_norm_channels_last(
     instead of 113 s (BENCHMARKS.md, seventh session)."""
     if x.dim() < 3 or x.shape[1] % num_groups:
         return F.group_norm(x, num_groups, weight, bias, eps)
-    n, c = x.shape[0], x.shape[1]
+    c = x.shape[1]
     if x.dim() == 4:
         # pinned channels-last before it is viewed (see channels_last_input)
         x = torch.ops.nexfort.channels_last_input(x)
     xs = x.movedim(1, -1)  # (N, *spatial, C)
-    xg = xs.reshape(n, -1, num_groups, c // num_groups).float()
-    var, mean = torch.var_mean(xg, dim=(1, 3), keepdim=True, correction=0)
-    y = ((xg - mean) * torch.rsqrt(var + eps)).reshape(xs.shape)
+    # (N, *spatial, G, C/G): every view here changes the rank. A same-rank view whose target has a
+    # constant (G) where the source has a symbolic size made torch 2.11's pointless-view pass guard
+    # on their inequality (``4*W != 32``), and 512² recompiled SD2.1 (eighth session).
+    xg = xs.unflatten(-1, (num_groups, c // num_groups)).float()
+    dims = (*range(1, x.dim() - 1), x.dim())  # the spatial dims and the channels of a group
+    var, mean = torch.var_mean(xg, dim=dims, keepdim=True, correction=0)
+    y = ((xg - mean) * torch.rsqrt(var + eps)).flatten(-2)
     if weight is not None:
         y = y * weight.float()
     if bias is not None:

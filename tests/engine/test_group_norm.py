@@ -96,14 +96,13 @@ def test_unet_with_the_rewrite_matches_eager_under_dynamic_shape(zoo, fresh_stat
 
 
 def test_auto_rule():
-    """Auto: only a conv net that Inductor keeps channels-last (GPU) under dynamic shape."""
-    assert wanted(None, channels_last_forced=True, inductor=True, dynamic=True)
-    assert not wanted(None, channels_last_forced=True, inductor=True, dynamic=False)  # static: no gain
-    assert not wanted(None, channels_last_forced=False, inductor=True, dynamic=True)  # CPU / DiT
-    assert not wanted(None, channels_last_forced=True, inductor=False, dynamic=True)  # eager backends
-    assert not wanted(None, channels_last_forced=True, inductor=True, dynamic=True, forward=False)  # VAE decode
-    assert wanted(True, channels_last_forced=False, inductor=False, dynamic=False)
-    assert not wanted(False, channels_last_forced=True, inductor=True, dynamic=True)
+    """Auto: a conv net's forward that Inductor keeps channels-last (GPU), dynamic or static shape."""
+    assert wanted(None, channels_last_forced=True, inductor=True)  # a UNet on the GPU, any shape mode
+    assert not wanted(None, channels_last_forced=False, inductor=True)  # CPU / DiT
+    assert not wanted(None, channels_last_forced=True, inductor=False)  # eager backends
+    assert not wanted(None, channels_last_forced=True, inductor=True, forward=False)  # VAE decode
+    assert wanted(True, channels_last_forced=False, inductor=False)
+    assert not wanted(False, channels_last_forced=True, inductor=True)
 
 
 @pytest.mark.parametrize("options", [{}, {"group_norm_rewrite": False}])
