@@ -49,6 +49,8 @@ class _Record:
     spatial_multiple: int = 1
     #: F.group_norm calls compiled in channels-last order (passes/group_norm.py), all graphs
     group_norms_rewritten: int = 0
+    #: conv weights converted to channels-last outside the graph so far (weight_layout.py)
+    channels_last_weights: int = 0
     updated: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
@@ -66,6 +68,7 @@ class _Record:
             regions=list(self.regions),
             spatial_multiple=self.spatial_multiple,
             group_norms_rewritten=self.group_norms_rewritten,
+            channels_last_weights=self.channels_last_weights,
             updated=self.updated,
         )
         return d

@@ -83,6 +83,8 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", latent sizes traced as multiples of {m['spatial_multiple']}"
         if m.get("group_norms_rewritten"):
             how += f", {m['group_norms_rewritten']} GroupNorms in channels-last order"
+        if m.get("channels_last_weights"):
+            how += f", {m['channels_last_weights']} conv weights made channels-last"
         lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "
                      f"hits={m['cache_hits']} ({how})")
         for r in m["recompile_reasons"][-3:]:

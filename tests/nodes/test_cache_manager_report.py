@@ -18,7 +18,8 @@ def cache_manager(comfy_inproc):
 
 
 def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_path, fresh_stats):
-    counters.set_info("UNetModel:aa", state="compiled", spatial_multiple=8, group_norms_rewritten=61)
+    counters.set_info("UNetModel:aa", state="compiled", spatial_multiple=8, group_norms_rewritten=61,
+                      channels_last_weights=97)
     counters.bump("UNetModel:aa", "compiles")
     counters.set_info("PixArt:bb", state="compiled", regions=["blocks[x28]"], fp8=True)
     counters.add_reason("UNetModel:aa", "recompile", "0/0: tensor 'x' rank mismatch. expected 6, actual 4")
@@ -26,6 +27,7 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     unet = next(line for line in text.splitlines() if line.strip().startswith("UNetModel:aa"))
     pixart = next(line for line in text.splitlines() if line.strip().startswith("PixArt:bb"))
     assert "whole model, latent sizes traced as multiples of 8, 61 GroupNorms in channels-last order" in unet
+    assert "97 conv weights made channels-last" in unet and "conv weights" not in pixart
     assert "regional: blocks[x28], fp8 linears" in pixart and "multiples" not in pixart
     assert "GroupNorm" not in pixart
     assert "recompile: 0/0: tensor 'x' rank mismatch" in text
