@@ -117,8 +117,8 @@ class CompileConfig:
     #: fold_spatial); None = auto (8 for conv nets, 1 otherwise), 1 = as they come
     spatial_multiple: int | None = None
     #: GroupNorm reduced in channels-last memory order (passes/group_norm.py); None = auto (on for a
-    #: conv net's forward - a UNet, not a VAE's decode - under dynamic shape where Inductor keeps it
-    #: channels-last: GPU, shapes.layout_patches), True/False = always/never
+    #: conv net's forward - a UNet, not a VAE's decode - where Inductor keeps it channels-last: GPU,
+    #: shapes.layout_patches; dynamic and static shape), True/False = always/never
     group_norm_rewrite: bool | None = None
     #: 32-bit symbolic size arguments in Inductor's Triton kernels that index in 32 bits
     #: (indexing.py); None = auto (on on the GPU under dynamic shape), True/False = always/never

@@ -123,7 +123,7 @@ class Settings:
     #: fp8 token-wise linears (changes the compiled graph, so part of :meth:`digest`)
     fp8: bool = False
     #: inner reductions of rows up to this many elements are single-pass kernels (0: Inductor's
-    #: default); on with fp8, for its per-row activation quantization (:mod:`.reductions`)
+    #: default); on for GPU compiles: LayerNorms, fp8's per-row quantization (:mod:`.reductions`)
     persistent_rows: int = 0
     #: 32-bit ``ks*`` arguments in Triton kernels that index in 32 bits (:mod:`.indexing`)
     int32_size_args: bool = False
