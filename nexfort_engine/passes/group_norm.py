@@ -55,27 +55,22 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 #: channels-last as Inductor's stride order of a 4-D tensor: (N, C, H, W) ranked by stride
 _CHANNELS_LAST_ORDER = [3, 0, 2, 1]
-_lowering_registered = False
 
 
 def register_lowering() -> None:
     """Register :func:`channels_last_input`'s Inductor lowering (once; before a compile that may
     contain it): ``require_stride_order`` fixes an open layout in place, copies otherwise."""
-    global _lowering_registered
-    if _lowering_registered:
-        return
     from torch._inductor import ir
     from torch._inductor.lowering import lowerings
     from torch._inductor.lowering import register_lowering as inductor_register_lowering
 
     op = torch.ops.nexfort.channels_last_input.default
-    if op not in lowerings:
+    if op in lowerings:  # registered by an earlier compile
+        return
 
-        @inductor_register_lowering(op, type_promotion_kind=None)
-        def _lower(x: object) -> object:
-            return ir.ExternKernel.require_stride_order(x, _CHANNELS_LAST_ORDER)
-
-    _lowering_registered = True
+    @inductor_register_lowering(op, type_promotion_kind=None)
+    def _lower(x: object) -> object:
+        return ir.ExternKernel.require_stride_order(x, _CHANNELS_LAST_ORDER)
 
 
 def wanted(option: bool | None, *, channels_last_forced: bool, inductor: bool, forward: bool = True) -> bool:
