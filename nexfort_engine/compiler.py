@@ -31,7 +31,7 @@ import torch
 from . import counters, regions, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR
-from .fp8 import Fp8LinearMode, ModuleWeights, fp8_supported
+from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
 from .indexing import int32_size_args
 from .options import CompileConfig, parse_options
 from .passes import group_norm
@@ -210,8 +210,13 @@ class CompiledModule(torch.nn.Module):
         cuda = device.startswith("cuda")
         fp8_capable = example is not None and fp8_supported(example.device)
         capability = torch.cuda.get_device_capability(example.device) if cuda else None
+        fp8_pays = pays_off(self._orig_mod)
         self._nx_settings = resolve(
-            self._nx_config, cuda=cuda, fp8_capable=fp8_capable, fp16_accumulation=fp16_accumulation_pays(capability)
+            self._nx_config,
+            cuda=cuda,
+            fp8_capable=fp8_capable,
+            fp16_accumulation=fp16_accumulation_pays(capability),
+            fp8_pays=fp8_pays,
         )
         layout = shapes.layout_patches(self._orig_mod, cuda)
         if layout and self._nx_config.backend == "inductor":
@@ -230,6 +235,12 @@ class CompiledModule(torch.nn.Module):
         if self._nx_method == "forward":
             self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
         counters.set_info(self._nx_label, fp8=self._nx_settings.fp8, regions=[r.name for r in self._nx_regions])
+        if self._nx_config.fp8 is None and fp8_capable and not fp8_pays and "low-precision" in self._nx_config.flags:
+            width = model_width(self._orig_mod)
+            counters.set_info(self._nx_label, fp8_skipped=f"model width {width} < {MIN_AUTO_WIDTH}")
+            log.info("nexfort: %s: fp8 linears left off (model width %d < %d: quantizing the activations "
+                     "would cost what fp8 GEMMs save); \"fp8\": true forces them", self._nx_label, width,
+                     MIN_AUTO_WIDTH)
         if self._nx_settings.fp8:
             self._nx_fp8 = ModuleWeights(self._orig_mod)
             weakref.finalize(self, self._nx_fp8.release)  # its graphs go with it

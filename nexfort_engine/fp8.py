@@ -65,6 +65,8 @@ __all__ = [
     "fp8_linear_cached",
     "fp8_linear_reference",
     "fp8_supported",
+    "model_width",
+    "pays_off",
     "quantize_rowwise",
 ]
 
@@ -74,6 +76,8 @@ ALIGN = 16
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: fp8 tensor cores: Ada (sm89) and Hopper (sm90) and newer.
 MIN_CAPABILITY = (8, 9)
+#: auto fp8 (O3) only for models at least this wide (:func:`pays_off`)
+MIN_AUTO_WIDTH = 2048
 
 
 def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +107,36 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dtype not in INPUT_DTYPES or weight.dtype != x.dtype:
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
+def model_width(module: torch.nn.Module) -> int:
+    """The width of ``module``'s linears: the parameter-weighted median of ``min(in, out)``
+    features over its 2-D ``nn.Linear`` weights (SDXL 1280, PixArt-alpha 1152, Wan 2.1 1.3B 1536,
+    Flux 3072); 0 without linears."""
+    widths: list[tuple[int, int]] = []
+    for m in module.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Linear) and isinstance(w, torch.Tensor) and w.dim() == 2:
+            widths.append((min(w.shape), w.numel()))
+    total = sum(n for _, n in widths)
+    seen = 0
+    for width, n in sorted(widths):
+        seen += n
+        if 2 * seen >= total:
+            return width
+    return 0
+
+
+def pays_off(module: torch.nn.Module, min_width: int = MIN_AUTO_WIDTH) -> bool:
+    """Whether auto fp8 (``"fp8": null`` under ``low-precision``, O3) is worth it for ``module``.
+
+    fp8 GEMMs save time in proportion to the GEMMs' work, while quantizing each linear's input
+    costs a pass over the activations whatever the width, so narrow models lose what they gain.
+    Measured on an H200 (BENCHMARKS.md): Flux (3072 wide) 9.6-9.8 it/s against 7.25 in bf16;
+    SDXL (1280) 30.96 against 31.00 (its GEMMs 14.75 -> 10.95 ms per step, its quantization
+    kernels +5.2 ms) and PixArt-alpha (1152) 27.76 against 27.67, each at a 10-80x larger error
+    against fp32. ``"fp8": true`` still forces it."""
+    return model_width(module) >= min_width
 
 
 def _flatten(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -171,15 +171,23 @@ def fp16_accumulation_pays(capability: tuple[int, int] | None) -> bool:
 
 
 def resolve(
-    config: CompileConfig, *, cuda: bool | None = None, fp8_capable: bool = False, fp16_accumulation: bool = False
+    config: CompileConfig,
+    *,
+    cuda: bool | None = None,
+    fp8_capable: bool = False,
+    fp16_accumulation: bool = False,
+    fp8_pays: bool = True,
 ) -> Settings:
     """Flags + overrides -> scoped settings for this machine.
 
     ``fp8_capable``: the device has fp8 tensor cores (:func:`nexfort_engine.fp8.fp8_supported`).
+    ``fp8_pays``: the model is wide enough for fp8 GEMMs to repay the activations' quantization
+    (:func:`nexfort_engine.fp8.pays_off`); auto fp8 needs it, ``"fp8": true`` does not.
     ``fp16_accumulation``: the device's fp16 GEMMs run faster accumulating in fp16
     (:func:`fp16_accumulation_pays`); ``low-precision`` then turns that on.
     fp8 linears are on with ``"fp8": true`` on such a GPU or on CPU (correct, not faster: for
-    tests), and with ``fp8`` unset (auto) when the mode has ``low-precision`` (O3) on such a GPU.
+    tests), and with ``fp8`` unset (auto) when the mode has ``low-precision`` (O3) on such a GPU
+    and ``fp8_pays``.
     """
     cuda = cuda_available() if cuda is None else cuda
     inductor: dict[str, Any] = dict(BASE_INDUCTOR)
@@ -203,10 +211,12 @@ def resolve(
     # definition of low precision ("fp8 matmuls where the GPU has them"). Measured on an H200
     # (BENCHMARKS.md, fourth session): Flux +32 % over bf16 (regional, 9.58 vs 7.25 it/s), SDXL
     # +1 % (static), at a large error against fp32 on random weights and +1.8 GB (SDXL) / +11 GB
-    # (Flux) of fp8 weight copies; O2 never turns it on. ``"fp8": true`` forces it (also on CPU:
+    # (Flux) of fp8 weight copies; O2 never turns it on. Only for models wide enough to repay the
+    # activations' quantization (``fp8_pays``, fp8.pays_off): SDXL O2 + fp8 measured 30.96 vs 31.00
+    # it/s (ninth session), PixArt 27.76 vs 27.67. ``"fp8": true`` forces it (also on CPU:
     # correct, not faster, for tests), ``false`` keeps O3 in bf16/fp16.
     low_precision = "low-precision" in config.flags and "low-precision" not in dropped
-    wanted = config.fp8 is True or (config.fp8 is None and low_precision)
+    wanted = config.fp8 is True or (config.fp8 is None and low_precision and fp8_pays)
     fp8 = wanted and (fp8_capable or (config.fp8 is True and not cuda))
     if config.fp8 is True and not fp8:
         _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")

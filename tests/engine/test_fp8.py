@@ -368,6 +368,49 @@ def test_resolve_fp8_when_asked_or_low_precision_on_an_fp8_gpu():
     assert S.resolve(parse_options({"mode": "O3", "fp8": False}), cuda=True, fp8_capable=True).fp8 is False
 
 
+def test_auto_fp8_only_for_models_wide_enough_to_repay_quantization():
+    o3 = parse_options({"mode": "O3"})
+    # auto: off for a narrow model (SDXL, PixArt), even on an fp8 GPU under O3
+    narrow = S.resolve(o3, cuda=True, fp8_capable=True, fp8_pays=False)
+    assert narrow.fp8 is False
+    # "fp8": true still forces it; O3 keeps its other low-precision switches
+    forced = parse_options({"mode": "O3", "fp8": True})
+    assert S.resolve(forced, cuda=True, fp8_capable=True, fp8_pays=False).fp8 is True
+    assert narrow.runtime.get("matmul_bf16_reduction") is True
+    # one cache entry with "fp8": false (the same compile)
+    never = parse_options({"mode": "O3", "fp8": False})
+    assert narrow.digest(o3) == S.resolve(never, cuda=True, fp8_capable=True).digest(never)
+
+
+def test_model_width_is_the_weighted_median_linear_width():
+    class Net(torch.nn.Module):
+        def __init__(self, wide: int, narrow: int) -> None:
+            super().__init__()
+            self.big = torch.nn.Linear(wide, 4 * wide)  # most of the weights
+            self.up = torch.nn.Linear(narrow, narrow)
+            self.conv = torch.nn.Conv2d(4, 4, 3)  # not a linear
+
+    assert fp8_mod.model_width(Net(64, 16)) == 64
+    assert fp8_mod.model_width(torch.nn.Conv2d(4, 4, 3)) == 0
+    assert fp8_mod.pays_off(Net(64, 16), min_width=64)
+    assert not fp8_mod.pays_off(Net(32, 16), min_width=64)
+
+
+def test_compiled_module_asks_whether_fp8_pays_for_its_model(monkeypatch):
+    seen = {}
+    real = compiler_mod.resolve
+
+    def spy(config, **kw):
+        seen.update(kw)
+        return real(config, **kw)
+
+    monkeypatch.setattr(compiler_mod, "resolve", spy)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    cm = nexfort_engine.compile(net, {"mode": "O3", "backend": "eager"}, cache_dir=None)
+    cm(torch.randn(2, 3, 16))
+    assert seen["fp8_pays"] is False  # 16 < MIN_AUTO_WIDTH
+
+
 def test_digest_tracks_effective_fp8():
     off = parse_options({"mode": "O1"})
     on = parse_options({"mode": "O1", "fp8": True})
@@ -542,3 +585,25 @@ def test_inductor_compiles_fp8(fresh_stats, nx_cache, graph_targets, cache):
 def test_fast_path_matches_reference_on_gpu(shape, n):
     x, w, b = (v.cuda() for v in _inputs(shape, n, torch.bfloat16))
     assert rel_l2(fp8_linear(x, w, b), fp8_linear_reference(x, w, b)) < FAST_TOL
+
+
+@pytest.mark.parametrize(("family", "width", "pays"), [
+    ("sdxl", 1280, False), ("pixart", 1152, False), ("wan", 1536, False), ("flux", 3072, True),
+])
+def test_auto_fp8_width_of_the_released_architectures(comfy_inproc, family, width, pays):
+    """ComfyUI's own model classes at released sizes, built on the meta device (no memory): auto
+    fp8 under O3 goes to Flux, the model it measured faster on, and not to SDXL or PixArt-alpha."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import comfy.supported_models
+
+    from benchmarks import models
+
+    spec = models.get_spec(family)
+    config = getattr(comfy.supported_models, spec.config_class)(dict(spec.unet_config))
+    config.set_inference_dtype(torch.bfloat16, None)
+    model = config.get_model(dict(spec.detect_state_dict), "", device=torch.device("meta"))
+    assert fp8_mod.model_width(model.diffusion_model) == width
+    assert fp8_mod.pays_off(model.diffusion_model) is pays
