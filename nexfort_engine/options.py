@@ -42,8 +42,8 @@ FLAGS: dict[str, str] = {
     "cudagraphs": "CUDA graphs (per-shape graph trees) to remove CPU launch overhead",
     "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",
     "low-precision": (
-        "reduced-precision math: fp8 linears where the GPU has fp8 tensor cores (the \"fp8\" "
-        "option overrides), else fp16 GEMMs accumulating in fp16 where that is faster (Turing/"
+        "reduced-precision math: fp8 linears where the GPU has fp8 tensor cores and the model is at "
+        "least 2048 wide (the \"fp8\" option overrides), else fp16 GEMMs accumulating in fp16 where that is faster (Turing/"
         "Ampere GeForce-class GPUs), fp16/bf16 reduced-precision matmul/SDPA reductions, TF32"
     ),
     "cache-all": "persist every compile artifact (FX graph, AOTAutograd, autotune, portable cache)",
@@ -107,7 +107,8 @@ class CompileConfig:
     #: Off by default: Inductor produced NaN for a DiT at batch 1 from a batch-2 graph with it on.
     size_oblivious: bool = False
     #: fp8 token-wise linears (fp8.py): True = on where the GPU has fp8 (and on CPU: correct, not
-    #: faster); None (auto) and False = off (measured slower than fp16 on SDXL/PixArt, BENCHMARKS.md)
+    #: faster); None (auto) = on under low-precision (O3) on such a GPU for models >= 2048 wide
+    #: (fp8.pays_off: Flux, not SDXL/PixArt, where it measured no faster); False = off
     fp8: bool | None = None
     #: regional compilation (regions.py): compile each stack of identical blocks once; None = auto
     #: (on when top-level stacks hold most of the weights: DiTs such as PixArt, Flux, Wan), True =

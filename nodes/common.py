@@ -29,7 +29,8 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             options=MODES,
             default="O2",
             tooltip="Compile mode. O1: fast compile. O2 (recommended): accurate, dynamic resolution, LoRA-safe. "
-            "O3: fastest (autotuning, CUDA graphs, reduced-precision math). Flags can be combined with ':'; "
+            "O3: lossy, for wide DiTs such as Flux (autotuning, CUDA graphs, fp8/reduced-precision math; "
+            "on SDXL it measured slower than O2). Flags can be combined with ':'; "
             "for any other combination put {\"mode\": \"...\"} in options.",
         ),
         io.Combo.Input(
@@ -62,7 +63,8 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             '"options": {"inductor.coordinate_descent_tuning": true}}. Keys here override the widgets. '
             '{"regional": true} compiles a UNet\'s transformer blocks once each (SDXL: ~17 s instead of '
             'minutes, a few % slower); {"fp8": true} runs linears in fp8 on Ada/Hopper (O3 does '
-            'that by default there; {"fp8": false} keeps O3 in bf16/fp16). '
+            'that by default there for models at least 2048 wide, e.g. Flux; {"fp8": false} keeps O3 in '
+            'bf16/fp16). '
             "Validated when the prompt is queued.",
         )
     )
