@@ -37,7 +37,7 @@ class OptionsError(ValueError):
 
 #: Every mode flag, with the one-line meaning shown in errors and docs.
 FLAGS: dict[str, str] = {
-    "max-autotune": "autotune GEMM/conv/pointwise kernels (slow first compile, cached afterwards)",
+    "max-autotune": "autotune GEMM and pointwise kernels (slow first compile, cached afterwards); convolutions stay with cuDNN",
     "max-optimize": "most aggressive fusion: epilogue/aggressive fusion, shape padding",
     "cudagraphs": "CUDA graphs (per-shape graph trees) to remove CPU launch overhead",
     "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",

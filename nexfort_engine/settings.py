@@ -35,11 +35,15 @@ log = logging.getLogger(__name__)
 
 #: Mode flag -> Inductor config patches (the README's table is generated from this).
 FLAG_INDUCTOR: dict[str, dict[str, Any]] = {
+    # Convolutions stay with cuDNN: autotuning them against Triton templates cost SDXL ~131 s of a
+    # cold compile for 18 convolution shapes, and cuDNN won 17 of them (the 18th, the 4-channel
+    # output conv, by microseconds; BENCHMARKS.md, ninth session, run63).
     "max-autotune": {
         "max_autotune": True,
         "max_autotune_gemm": True,
         "max_autotune_pointwise": True,
         "coordinate_descent_tuning": True,
+        "max_autotune_conv_backends": "ATEN",
     },
     # No ``permute_fusion``: its linear/permute rewrites match nothing in ComfyUI's UNets and DiTs
     # (tests/engine/test_permute_fusion.py checks this on traced graphs), yet on GPU it runs a full fake
