@@ -150,6 +150,12 @@ def select_regions(module: torch.nn.Module, regional: bool | None) -> list[Regio
     return regions
 
 
+def blocks_module(regions: list[Region]) -> torch.nn.Module:
+    """The regions' blocks in one container (what regional compilation hands to Inductor), for
+    decisions that look at the compiled modules only; the blocks themselves are not changed."""
+    return torch.nn.ModuleList(b for r in regions for b in r.blocks)
+
+
 def regions_key(regions: list[Region]) -> str:
     """Cache-key suffix for a regional decision: ``.regional`` for top-level stacks (the keys
     written before deep regions existed), plus a digest of the regions when any is nested."""

@@ -98,3 +98,54 @@ def test_engine_converts_before_compiling_and_after_a_replacement(monkeypatch, t
     rec = fresh_stats()["models"][cm.label]
     assert rec["compiles"] == 1 and rec["recompiles"] == 0 and rec["fallbacks"] == 0
     assert rec["channels_last_weights"] >= 2
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, conv: bool) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1) if conv else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.fc(h.movedim(1, -1)).movedim(-1, 1)
+        return self.conv(h) if self.conv is not None else h
+
+
+class _RegionalNet(torch.nn.Module):
+    """Convolutions in the glue around a stack of 4 identical blocks (a UNet's transformer blocks
+    have none; ``conv_blocks`` puts one in each block instead)."""
+
+    def __init__(self, conv_blocks: bool) -> None:
+        super().__init__()
+        for i in range(4):  # not a ModuleList: not a region
+            setattr(self, f"glue{i}", torch.nn.Conv2d(8, 8, 3, padding=1))
+        self.blocks = torch.nn.ModuleList(_Block(conv_blocks) for _ in range(4))
+
+    @property
+    def glue(self) -> list[torch.nn.Conv2d]:
+        return [getattr(self, f"glue{i}") for i in range(4)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv, block in zip(self.glue, self.blocks, strict=True):
+            x = block(conv(x))
+        return x
+
+
+@pytest.mark.parametrize("conv_blocks", [False, True])
+def test_regional_compile_converts_only_the_compiled_blocks_convs(monkeypatch, clean_dynamo, conv_blocks):
+    """Under regional compilation the glue runs eager: its conv weights keep their layout (cuDNN
+    would otherwise hand channels-last outputs to eager ops that copy them back); convolutions
+    inside the compiled blocks are converted as in a whole-model compile."""
+    real = shapes.layout_patches
+    monkeypatch.setattr(shapes, "layout_patches", lambda module, cuda: real(module, True))  # as on a GPU
+    net = _RegionalNet(conv_blocks).eval().requires_grad_(False)
+    x = torch.randn(1, 8, 6, 6)
+    cm = nexfort_engine.compile(net, {"mode": "O2", "regional": True}, cache_dir=None)
+    cm._setup(x)  # decides and converts; nothing is compiled before the first call
+    assert [r.name for r in cm._nx_regions] == ["blocks[_Blockx4]"]
+    assert not any(c.weight.is_contiguous(memory_format=CL) for c in net.glue)
+    assert all(b.conv.weight.is_contiguous(memory_format=CL) for b in net.blocks) if conv_blocks else True
+    assert (cm._nx_conv_weights is not None) is conv_blocks
+    whole = nexfort_engine.compile(net, {"mode": "O2", "regional": False}, cache_dir=None)
+    whole._setup(x)
+    assert all(c.weight.is_contiguous(memory_format=CL) for c in net.glue)
