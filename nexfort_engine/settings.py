@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 
 #: Mode flag -> Inductor config patches (the README's table is generated from this).
 FLAG_INDUCTOR: dict[str, dict[str, Any]] = {
-    # Convolutions stay with cuDNN: autotuning them against Triton templates cost SDXL ~131 s of a
+    # Convolutions stay with cuDNN: autotuning them against Triton templates cost SDXL 129 s of a
     # cold compile for 18 convolution shapes, and cuDNN won 17 of them (the 18th, the 4-channel
-    # output conv, by microseconds; BENCHMARKS.md, ninth session, run63).
+    # output conv, went to a Triton template at 31 us; BENCHMARKS.md, ninth session, run63).
     "max-autotune": {
         "max_autotune": True,
         "max_autotune_gemm": True,
