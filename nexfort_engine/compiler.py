@@ -135,6 +135,8 @@ class CompiledModule(torch.nn.Module):
         #: F.group_norm -> passes.group_norm (decided in _setup)
         self._nx_group_norm = False
         self._nx_group_norms = 0
+        #: fp8 activation quantizations fused with their producers (passes/fuse_quant.py)
+        self._nx_fused_quants = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         self._nx_cudagraphs = False
@@ -174,6 +176,12 @@ class CompiledModule(torch.nn.Module):
         if self._nx_group_norm and (n := group_norm.rewrite_group_norms(gm)):
             self._nx_group_norms += n
             counters.set_info(self._nx_label, group_norms_rewritten=self._nx_group_norms)
+        if self._nx_settings is not None and self._nx_settings.fused_quant:
+            from .passes.fuse_quant import rewrite_quantizations
+
+            if n := rewrite_quantizations(gm):
+                self._nx_fused_quants += n
+                counters.set_info(self._nx_label, fp8_quant_fused=self._nx_fused_quants)
         compiled = self._compile_graph(gm, example_inputs)
         self._nx_graphs += 1
         return compiled

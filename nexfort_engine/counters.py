@@ -51,6 +51,8 @@ class _Record:
     spatial_multiple: int = 1
     #: F.group_norm calls compiled in channels-last order (passes/group_norm.py), all graphs
     group_norms_rewritten: int = 0
+    #: fp8 activation quantizations fused with their GELU/GEGLU/concat producers (passes/fuse_quant.py)
+    fp8_quant_fused: int = 0
     #: conv weights converted to channels-last outside the graph so far (weight_layout.py)
     channels_last_weights: int = 0
     updated: float = field(default_factory=time.time)
@@ -71,6 +73,7 @@ class _Record:
             regions=list(self.regions),
             spatial_multiple=self.spatial_multiple,
             group_norms_rewritten=self.group_norms_rewritten,
+            fp8_quant_fused=self.fp8_quant_fused,
             channels_last_weights=self.channels_last_weights,
             updated=self.updated,
         )

@@ -81,6 +81,7 @@ TOP_LEVEL_KEYS = (
     "spatial_multiple",
     "group_norm_rewrite",
     "int32_size_args",
+    "fused_quant",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -124,6 +125,10 @@ class CompileConfig:
     #: 32-bit symbolic size arguments in Inductor's Triton kernels that index in 32 bits
     #: (indexing.py); None = auto (on on the GPU under dynamic shape), True/False = always/never
     int32_size_args: bool | None = None
+    #: fp8 graphs: quantize the activations of GELU / GEGLU / concat producers with rows of at least
+    #: 2560 elements in one Triton kernel (passes/fuse_quant.py, rowwise_quant.py); None = auto (on
+    #: on the GPU when Triton is installed), True/False = always/never (True on CPU: the torch twin)
+    fused_quant: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -284,6 +289,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         spatial_multiple=_as_spatial_multiple(options.get("spatial_multiple")),
         group_norm_rewrite=_as_optional_bool("group_norm_rewrite", options.get("group_norm_rewrite")),
         int32_size_args=_as_optional_bool("int32_size_args", options.get("int32_size_args")),
+        fused_quant=_as_optional_bool("fused_quant", options.get("fused_quant")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

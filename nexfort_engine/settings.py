@@ -131,6 +131,8 @@ class Settings:
     persistent_rows: int = 0
     #: 32-bit ``ks*`` arguments in Triton kernels that index in 32 bits (:mod:`.indexing`)
     int32_size_args: bool = False
+    #: fp8 graphs: GELU/GEGLU/concat producers quantized by nexfort::quant_rows (passes/fuse_quant.py)
+    fused_quant: bool = False
 
     def digest(self, config: CompileConfig) -> str:
         """Hash of what actually shapes the compiled artifacts on this machine (cache keys):
@@ -152,6 +154,9 @@ class Settings:
         d.pop("int32_size_args", None)  # the effective value, only when on (older keys stay valid)
         if self.int32_size_args:
             d["int32_size_args"] = True
+        d.pop("fused_quant", None)  # the effective value, only when on (older keys stay valid)
+        if self.fused_quant:
+            d["fused_quant"] = True
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -245,6 +250,9 @@ def resolve(
     # the LayerNorms of every model (SDXL's 640/1280-wide rows ran as looped reductions at about
     # half their memory speed, eighth session); the CPU backend has no such choice
     rows = DEFAULT_LIMIT if cuda else 0
+    # fp8 graphs: wide GELU/GEGLU/concat rows quantized in one Triton kernel (rowwise_quant.py):
+    # Flux's 12288/15360-wide rows 2-2.5x faster than Inductor's two kernels (H200, tenth session)
+    fused_quant = fp8 and (config.fused_quant if config.fused_quant is not None else cuda and _has_triton())
     return Settings(
         inductor=inductor,
         runtime=runtime,
@@ -252,7 +260,14 @@ def resolve(
         fp8=fp8,
         persistent_rows=rows,
         int32_size_args=indexing.wanted(config.int32_size_args, cuda=cuda, dynamic=config.dynamic),
+        fused_quant=bool(fused_quant),
     )
+
+
+def _has_triton() -> bool:
+    from .rowwise_quant import triton_available
+
+    return triton_available()
 
 
 def _runtime_switches() -> dict[str, tuple[Any, Any]]:

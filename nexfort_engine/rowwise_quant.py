@@ -1,0 +1,181 @@
+"""fp8 per-row activation quantization fused with its producer: one Triton kernel, one torch twin.
+
+What: :func:`quant_rows` computes ``quantize_rowwise(x)`` (:mod:`nexfort_engine.fp8`: e4m3 values
+and one float32 scale per row) where ``x`` is not materialised but made from its producer's
+inputs on the fly::
+
+    x = cat([a, f(h)], dim=-1)     # ``a`` optional (Flux single blocks); f is the prologue:
+    "none":      f(h) = h
+    "gelu_tanh": f(h) = gelu(h, approximate="tanh")              # Flux MLPs
+    "gelu":      f(h) = gelu(h)                                  # erf form
+    "geglu":     f(h) = h[:, :K] * gelu(h[:, K:])                # SDXL / SD2.1 feed-forwards
+
+The custom op ``nexfort::quant_rows`` runs :func:`triton_quant_rows` on CUDA tensors and the twin
+:func:`torch_quant_rows` elsewhere; :mod:`nexfort_engine.passes.fuse_quant` puts the op into fp8
+graphs in place of Inductor's own quantization of such producers.
+
+Why: Inductor quantizes a row wider than its single-pass limit (Flux's 12288/15360-wide rows) in
+two kernels, one for the row's ``amax`` and one that recomputes the producer and writes fp8, each
+reading the bf16 producer input from memory. On an H200 that took 173 us for Flux's GELU rows and
+244 us for its single-block concatenation (BENCHMARKS.md, tenth session), against 69 / 91 us for
+the bf16 producer alone. Here each row is one program that holds the whole row in registers (up
+to :data:`ONE_PASS_MAX` padded elements; wider rows make two passes, the second finding the row in
+L2): 74 / 94 us. Flux O3 went from 10.00 to 10.77 it/s in the same call.
+
+Numerics: ``amax`` is exact in any order and ``scale = max(amax, 1e-12) / 448`` and ``x / scale``
+are the twin's float32 operations. Two things differ from eager. The producer's value stays in
+float32 here, while eager rounds it to the model dtype first (Inductor does not round either). The
+tanh-form GELU is computed as ``x * sigmoid(2u)``, which is ``0.5 x (1 + tanh(u))`` up to float32
+rounding. So a value that sits on an e4m3 rounding boundary can land one step away; the tests
+bound how many do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PROLOGUES", "quant_rows", "torch_quant_rows", "torch_scaled_rows", "triton_available", "triton_quant_rows"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+#: prologue name -> the kernel's constexpr code
+PROLOGUES: dict[str, int] = {"none": 0, "gelu_tanh": 1, "gelu": 2, "geglu": 3}
+
+
+def _check(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> int:
+    """Validate the arguments; returns the width of ``f(h)``."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"quant_rows: unknown prologue {prologue!r}; valid: {', '.join(PROLOGUES)}")
+    if h.dim() != 2 or (a is not None and (a.dim() != 2 or a.shape[0] != h.shape[0])):
+        raise ValueError("quant_rows: h and a must be 2-D [rows, features] with the same number of rows")
+    if prologue == "geglu":
+        if h.shape[1] % 2:
+            raise ValueError(f"quant_rows: geglu needs an even number of input features, got {h.shape[1]}")
+        return h.shape[1] // 2
+    return h.shape[1]
+
+
+def _prologue(h: torch.Tensor, prologue: str) -> torch.Tensor:
+    if prologue == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if prologue == "gelu":
+        return F.gelu(h)
+    if prologue == "geglu":
+        value, gate = h.chunk(2, dim=-1)
+        return value * F.gelu(gate)
+    return h
+
+
+def torch_scaled_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference up to the final cast: the producer in the inputs' dtype, as eager runs it,
+    then ``x / scale`` clamped to e4m3's range, in float32. Returns (float32 [M, KA + K], [M, 1])."""
+    _check(h, a, prologue)
+    x = _prologue(h, prologue)
+    if a is not None:
+        x = torch.cat([a.to(x.dtype), x], dim=-1)
+    t32 = x.float()
+    amax = t32.abs().amax(dim=-1, keepdim=True)
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    return (t32 / scale).clamp(-FP8_MAX, FP8_MAX), scale
+
+
+def torch_quant_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: :func:`nexfort_engine.fp8.quantize_rowwise` of the producer's output.
+    Returns (e4m3 [M, KA + K], float32 [M, 1])."""
+    scaled, scale = torch_scaled_rows(h, a, prologue)
+    return scaled.to(FP8_DTYPE), scale
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel() -> Any:
+    """The Triton kernel (:mod:`nexfort_engine.rowwise_quant_kernel`, imported on first use:
+    importing this module needs no Triton)."""
+    from .rowwise_quant_kernel import quant_rows_kernel
+
+    return quant_rows_kernel
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+#: rows padded to at most this many elements (a row and, with ``a``, its copied part) are held in
+#: registers; wider rows take two passes in 4096-element steps
+ONE_PASS_MAX = 32768
+
+
+def launch_config(width: int, a_width: int = 0) -> tuple[bool, int, int]:
+    """(one_pass, BLOCK, num_warps) for rows of ``width`` producer elements after ``a_width``
+    copied ones. Measured on an H200 (benchmarks/quant_rows_kernels.py, tenth session), one pass
+    with about 16 elements per thread was the fastest or within 6 % of it at every measured width:
+    SDXL's 2560/5120-wide GEGLU rows 58.9 / 31.6 us (Inductor 72.5 / 42.9), Flux's 12288-wide GELU
+    rows 74.3 us (best: 70.0 with 8 warps; two passes 87.6; Inductor 173.3) and its 3072 + 12288
+    single-block rows 93.7 us (two passes 97.8; Inductor 243.6)."""
+    total = _pow2_at_least(max(width, 1)) + (_pow2_at_least(a_width) if a_width else 0)
+    if total <= ONE_PASS_MAX:
+        return True, _pow2_at_least(max(width, 1)), max(4, min(32, _pow2_at_least(total // 512)))
+    return False, 4096, 8
+
+
+def triton_quant_rows(
+    h: torch.Tensor,
+    a: torch.Tensor | None,
+    prologue: str,
+    config: tuple[bool, int, int] | None = None,
+    out_dtype: torch.dtype = FP8_DTYPE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`torch_quant_rows` in one Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+    ``config`` (one_pass, BLOCK, num_warps) overrides :func:`launch_config` (benchmarks, tests);
+    ``out_dtype=float32`` stores the scaled values before the cast (tests: Triton's interpreter
+    rounds to fp8 in its own way, unlike the GPU's round-to-nearest-even conversion)."""
+    k = _check(h, a, prologue)
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    if a is not None and a.stride(-1) != 1:
+        a = a.contiguous()
+    m = h.shape[0]
+    ka = a.shape[1] if a is not None else 0
+    q = torch.empty((m, ka + k), device=h.device, dtype=out_dtype)
+    scale = torch.empty((m, 1), device=h.device, dtype=torch.float32)
+    if m == 0:
+        return q, scale
+    one_pass, block, warps = config or launch_config(k, ka)
+    if one_pass:  # the whole row: BLOCK at least its padded width
+        block = max(block, _pow2_at_least(k))
+    _kernel()[(m,)](
+        h, a if a is not None else h, q, scale,
+        k, ka, h.stride(0), a.stride(0) if a is not None else 0, q.stride(0),
+        PROLOGUE=PROLOGUES[prologue], HAS_A=a is not None, BLOCK=block, FMAX=FP8_MAX,
+        ONE_PASS=one_pass, BLOCK_A=_pow2_at_least(max(ka, 1)),
+        num_warps=warps,
+    )
+    return q, scale
+
+
+@torch.library.custom_op("nexfort::quant_rows", mutates_args=())
+def quant_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise(cat([a, f(h)], -1))`` with ``f`` named by ``prologue`` (module docstring):
+    (e4m3 [M, KA + K], float32 scales [M, 1]). The Triton kernel on CUDA, the torch twin elsewhere."""
+    if h.is_cuda and triton_available():
+        return triton_quant_rows(h, a, prologue)
+    return torch_quant_rows(h, a, prologue)
+
+
+@quant_rows.register_fake
+def _(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
+    k = _check(h, a, prologue)
+    ka = a.shape[1] if a is not None else 0
+    return h.new_empty((h.shape[0], ka + k), dtype=FP8_DTYPE), h.new_empty((h.shape[0], 1), dtype=torch.float32)
