@@ -184,8 +184,10 @@ def _producer(node: fx.Node) -> tuple[fx.Node, fx.Node | None, str, list[fx.Node
     return None
 
 
-def find_matches(gm: fx.GraphModule, min_width: int = DEFAULT_MIN_WIDTH) -> list[Match]:
-    """The quantizations of ``gm`` that :func:`rewrite_quantizations` replaces."""
+def find_matches(gm: fx.GraphModule, min_width: int | None = None) -> list[Match]:
+    """The quantizations of ``gm`` that :func:`rewrite_quantizations` replaces (rows of at least
+    ``min_width`` elements; default :data:`DEFAULT_MIN_WIDTH`)."""
+    min_width = DEFAULT_MIN_WIDTH if min_width is None else min_width
     mm_op = torch.ops.nexfort.fp8_mm_cached.default
     matches = []
     for node in gm.graph.nodes:
@@ -224,7 +226,7 @@ def _fake_meta(node: fx.Node, fn: Any, *args: Any) -> None:
         node.meta["example_value"] = fn(*vals)
 
 
-def rewrite_quantizations(gm: fx.GraphModule, min_width: int = DEFAULT_MIN_WIDTH) -> int:
+def rewrite_quantizations(gm: fx.GraphModule, min_width: int | None = None) -> int:
     """Replace each quantization :func:`find_matches` finds by ``nexfort::quant_rows``; returns
     how many were replaced."""
     matches = find_matches(gm, min_width)

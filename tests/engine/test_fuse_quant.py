@@ -1,0 +1,320 @@
+"""fp8 activation quantization fused with its producer (``nexfort_engine.rowwise_quant``,
+``nexfort_engine.passes.fuse_quant``).
+
+* The Triton kernel against its torch twin on odd shapes, every prologue, with and without the
+  concatenated part, both launch forms, three input dtypes and strided inputs: run by Triton's
+  interpreter in a subprocess (``TRITON_INTERPRET=1`` must be set before Triton builds the kernel).
+  The kernel stores the scaled values before the e4m3 cast there (``out_dtype=float32``): the
+  interpreter's own float->fp8 conversion does not round to nearest even (it gives 64 for 124.7),
+  unlike the GPU's ``cvt.rn`` and torch's cast. Tolerances: scales to 1e-6 relative (the same
+  float32 amax; the producer is computed once in float32 by the kernel and by the float32 twin),
+  scaled values to 1e-3 absolute on a 448 range (erf/exp implementations differ in the last bits).
+* The graph rewrite on Dynamo graphs of ComfyUI's own Flux and SD1.5 blocks (tiny, CPU): which
+  quantizations it finds, that the old chain is gone, and that the output is unchanged (on CPU the
+  op runs the twin, which is eager's arithmetic, so the outputs are equal).
+* The option, the settings, the counters, and one real Inductor compile with the op in the graph.
+* On a GPU (marked ``gpu``): the kernel's fp8 bytes against the twin's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+import torch.nn.functional as F
+from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.utils import counters as dynamo_counters
+
+import nexfort_engine
+from nexfort_engine import OptionsError, parse_options
+from nexfort_engine import settings as S
+from nexfort_engine.fp8 import CACHE, Fp8LinearMode, clear_cache, fp8_supported
+from nexfort_engine.passes import fuse_quant
+from nexfort_engine.rowwise_quant import (
+    ONE_PASS_MAX,
+    launch_config,
+    quant_rows,
+    torch_quant_rows,
+    torch_scaled_rows,
+    triton_available,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+QUANT_OP = torch.ops.nexfort.quant_rows.default
+needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+
+
+# -- the kernel (Triton's interpreter, CPU)
+
+INTERPRETER_CHECK = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from nexfort_engine.rowwise_quant import triton_quant_rows, torch_scaled_rows
+    torch.manual_seed(0)
+    cases = [  # prologue, a width, f(h) width, rows
+        ("none", 0, 48, 5), ("gelu_tanh", 0, 300, 7), ("gelu", 0, 33, 3), ("geglu", 0, 40, 6),
+        ("gelu_tanh", 24, 200, 9), ("geglu", 16, 64, 4), ("gelu", 40, 17, 1),
+    ]
+    rows = []
+    for prologue, ka, k, m in cases:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for config in (None, (False, 32, 4), (True, 0, 4)):
+                hk = 2 * k if prologue == "geglu" else k
+                h = torch.randn(m, hk + 5, dtype=dtype)[:, 3:3 + hk] * 3  # strided rows
+                h[0, :3] = 40.0  # a row whose maximum is a producer value
+                a = torch.randn(m, ka, dtype=dtype) * 2 if ka else None
+                q, s = triton_quant_rows(h, a, prologue, config=config, out_dtype=torch.float32)
+                q0, s0 = torch_scaled_rows(h.float(), a.float() if a is not None else None, prologue)
+                rows.append({
+                    "case": [prologue, ka, k, m, str(dtype), str(config)],
+                    "shape_ok": list(q.shape) == [m, ka + k] and list(s.shape) == [m, 1],
+                    "scale_rel": float(((s - s0).abs() / s0).max()),
+                    "value_abs": float((q - q0).abs().max()),
+                    "max_abs": float(q.abs().max()),
+                })
+    print(json.dumps(rows))
+    """
+)
+
+
+@needs_triton
+def test_triton_kernel_matches_twin_interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK, str(REPO)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 7 * 3 * 3
+    for r in rows:
+        assert r["shape_ok"], r
+        assert r["scale_rel"] < 1e-6, r
+        assert r["value_abs"] < 1e-3, r
+        assert r["max_abs"] == pytest.approx(448.0), r  # each row's maximum maps onto e4m3's largest
+
+
+def test_launch_config():
+    for width, a_width in [(16, 0), (2560, 0), (5120, 0), (12288, 0), (12288, 3072), (16384, 16384), (40000, 0)]:
+        one_pass, block, warps = launch_config(width, a_width)
+        assert warps in (4, 8, 16, 32)
+        assert block & (block - 1) == 0
+        if one_pass:
+            assert block >= width and block + (block if a_width else 0) <= 2 * ONE_PASS_MAX
+        else:
+            assert width > ONE_PASS_MAX // 2 or a_width
+
+
+def test_twin_is_quantize_rowwise_of_the_producer():
+    from nexfort_engine.fp8 import quantize_rowwise
+
+    torch.manual_seed(0)
+    h = torch.randn(5, 64, dtype=torch.bfloat16)
+    a = torch.randn(5, 16, dtype=torch.bfloat16)
+    value, gate = h.chunk(2, -1)
+    for prologue, x in [
+        ("gelu", F.gelu(h)),
+        ("gelu_tanh", torch.cat([a, F.gelu(h, approximate="tanh")], -1)),
+        ("geglu", value * F.gelu(gate)),
+    ]:
+        q0, s0 = quantize_rowwise(x)
+        q, s = torch_quant_rows(h, a if prologue == "gelu_tanh" else None, prologue)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+        q, s = quant_rows(h, a if prologue == "gelu_tanh" else None, prologue)  # CPU: the twin
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+
+
+def test_bad_arguments_name_the_valid_values():
+    h = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="valid: none, gelu_tanh, gelu, geglu"):
+        torch_quant_rows(h, None, "silu")
+    with pytest.raises(ValueError, match="even number"):
+        torch_quant_rows(torch.randn(3, 7), None, "geglu")
+    with pytest.raises(ValueError, match="same number of rows"):
+        torch_quant_rows(h, torch.randn(4, 8), "none")
+    with pytest.raises(ValueError, match="2-D"):
+        torch_quant_rows(torch.randn(2, 3, 8), None, "none")
+
+
+# -- the graph rewrite (Dynamo graphs of ComfyUI's blocks, CPU)
+
+
+def _rewritten(fn, args, kwargs, min_width=1):
+    """Trace ``fn`` under the fp8 mode; rewrite each graph; run it with aot_eager. Returns
+    (output, eager output, [matches per graph], [rewritten graph modules])."""
+    found, graphs = [], []
+
+    def backend(gm, example_inputs):
+        found.append([(m.prologue, m.width, m.a is not None) for m in fuse_quant.find_matches(gm, min_width)])
+        fuse_quant.rewrite_quantizations(gm, min_width)
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad(), Fp8LinearMode():
+        ref = fn(*args, **kwargs)
+        out = torch.compile(fn, backend=backend)(*args, **kwargs)
+    return out, ref, found, graphs
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def test_rewrite_flux_blocks(comfy_inproc, cache):
+    mp = tiny_models.tiny_flux()
+    dm = mp.model.diffusion_model
+    spec = mp.model.nexfort_tiny
+    gen = torch.Generator().manual_seed(0)
+    x, t, ctx = torch.randn(1, 16, 8, 8, generator=gen), torch.rand(1, generator=gen), torch.randn(1, 7, 48, generator=gen)
+    out, ref, found, graphs = _rewritten(dm, (x, t, ctx), {"transformer_options": {}, **spec.call_extra(1, 8, 8)})
+    # the double block's image and text MLPs (GELU-tanh), the single block's cat(attention, GELU-tanh)
+    assert sorted(found[0]) == [("gelu_tanh", 128, False), ("gelu_tanh", 128, False), ("gelu_tanh", 192, True)]
+    targets = _targets(graphs[0])
+    assert targets.count(QUANT_OP) == 3
+    # the replaced chains are gone: no GELU left, and one amax per remaining in-graph quantization
+    assert torch._C._nn.gelu not in targets
+    assert targets.count("amax") == targets.count(torch.ops.nexfort.fp8_mm_cached.default) - 3
+    assert torch.equal(out, ref)
+
+
+def test_rewrite_geglu_feed_forwards(comfy_inproc, cache):
+    mp = tiny_models.tiny_sd15()
+    um = mp.model.diffusion_model
+    gen = torch.Generator().manual_seed(0)
+    x, t, ctx = torch.randn(2, 4, 8, 8, generator=gen), torch.rand(2, generator=gen) * 999, torch.randn(2, 7, 64, generator=gen)
+    out, ref, found, graphs = _rewritten(um, (x, t, ctx), {"transformer_options": {}})
+    # one GEGLU feed-forward per transformer block: 2 down, 1 middle, 4 up (widths 128 / 256)
+    assert [p for p, _, _ in found[0]] == ["geglu"] * 7
+    assert {w for _, w, _ in found[0]} == {128, 256}
+    assert _targets(graphs[0]).count(QUANT_OP) == 7
+    assert torch.equal(out, ref)
+
+
+class _Producers(torch.nn.Module):
+    """Quantized linears behind producers the rewrite must leave alone, and one it takes."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.fc = torch.nn.ModuleList(torch.nn.Linear(dim if i < 4 else 2 * dim, dim) for i in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc[0](F.layer_norm(x, x.shape[-1:]))  # LayerNorm: Inductor's fused kernel stays
+        y = self.fc[1](F.silu(y))  # not a GELU
+        y = self.fc[2](torch.cat([y[:, :3], F.gelu(y[:, 3:])], dim=1))  # concatenated across tokens
+        gelu = F.gelu(y)
+        y = self.fc[3](gelu) + gelu.sum()  # taken: the GELU has another user, which keeps it
+        return self.fc[4](torch.cat([y, F.gelu(y, approximate="tanh")], dim=-1))  # taken (a = y)
+
+
+def test_rewrite_leaves_other_producers(cache):
+    torch.manual_seed(0)
+    model = _Producers()
+    x = torch.randn(2, 9, 32)
+    out, ref, found, graphs = _rewritten(model, (x,), {})
+    assert sorted(found[0]) == [("gelu", 32, False), ("gelu_tanh", 64, True)]
+    targets = _targets(graphs[0])
+    assert targets.count(QUANT_OP) == 2 and targets.count(torch._C._nn.gelu) == 2  # cat-across-tokens + kept
+    assert torch.equal(out, ref)
+    # rows narrower than the threshold keep Inductor's quantization
+    _, _, found, _ = _rewritten(model, (x,), {}, min_width=fuse_quant.DEFAULT_MIN_WIDTH)
+    assert found == [[]]
+
+
+# -- options, settings, the compiled path
+
+
+def test_option_parsing():
+    assert parse_options({}).fused_quant is None
+    assert parse_options({"fused_quant": False}).fused_quant is False
+    with pytest.raises(OptionsError, match="fused_quant"):
+        parse_options({"fused_quant": "yes"})
+
+
+def test_resolve_fused_quant():
+    o3 = parse_options({"mode": "O3"})
+    assert S.resolve(o3, cuda=True, fp8_capable=True).fused_quant is triton_available()
+    assert not S.resolve(o3, cuda=True, fp8_capable=True, fp8_pays=False).fused_quant  # no fp8: nothing to fuse
+    assert not S.resolve(parse_options({"mode": "O3", "fused_quant": False}), cuda=True, fp8_capable=True).fused_quant
+    assert not S.resolve(parse_options({"fp8": True}), cuda=False).fused_quant  # CPU: only when asked
+    forced = S.resolve(parse_options({"fp8": True, "fused_quant": True}), cuda=False)
+    assert forced.fused_quant
+    plain = S.resolve(parse_options({"fp8": True}), cuda=False)
+    assert forced.digest(parse_options({"fp8": True})) != plain.digest(parse_options({"fp8": True}))
+
+
+@pytest.fixture
+def cache():
+    clear_cache()
+    CACHE.stats.update(dict.fromkeys(CACHE.stats, 0))
+    yield CACHE
+    clear_cache()
+
+
+class GeluMLP(torch.nn.Module):
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(dim, hidden)
+        self.fc2 = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_inductor_compiles_the_fused_op(fresh_stats, nx_cache, cache, monkeypatch):
+    """A real Inductor compile (CPU) of a graph holding ``nexfort::quant_rows``: the op survives
+    Inductor's pre-grad passes (max-optimize's pattern matcher reads every node's example value),
+    dynamic token counts reuse the graph, and the counter reaches the Cache Manager's report."""
+    monkeypatch.setattr(fuse_quant, "DEFAULT_MIN_WIDTH", 1)
+    torch.manual_seed(0)
+    model = GeluMLP().to(torch.bfloat16)
+    cm = nexfort_engine.compile(model, {"fp8": True, "fused_quant": True, "mode": "max-optimize:cache-all"},
+                                cache_dir=nx_cache, label="fused-quant")
+    dynamo_counters["graph_break"].clear()
+    for tokens in (7, 13):
+        x = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
+        with Fp8LinearMode(reference=True):
+            ref = model(x)
+        assert _rel_l2(cm(x), ref) < 3e-2  # see test_fp8.py's COMPILED_TOL
+    assert not dynamo_counters["graph_break"]
+    rec = fresh_stats()["models"][cm.label]
+    assert rec["fallbacks"] == 0 and rec["compiles"] == 1 and rec["recompiles"] == 0
+    assert rec["fp8_quant_fused"] == 1
+
+
+# -- the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (fp8_supported("cuda") and triton_available()), reason="needs an fp8 GPU (sm89+) and Triton")
+@pytest.mark.parametrize("prologue, ka, k, m", [("gelu_tanh", 0, 12288, 33), ("gelu_tanh", 3072, 12288, 17),
+                                                ("geglu", 0, 2560, 65), ("gelu", 0, 40000, 5), ("none", 48, 80, 3)])
+def test_kernel_matches_twin_on_gpu(prologue, ka, k, m):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hk = 2 * k if prologue == "geglu" else k
+    h = torch.randn(m, hk, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    a = torch.randn(m, ka, device="cuda", dtype=torch.bfloat16, generator=gen) if ka else None
+    q, s = quant_rows(h, a, prologue)
+    # against the float32 twin (the kernel keeps the producer in float32): same scales, and the
+    # same e4m3 bytes but for values on a rounding boundary
+    q0, s0 = torch_scaled_rows(h.float(), a.float() if a is not None else None, prologue)
+    assert float(((s - s0).abs() / s0).max()) < 1e-6
+    differ = (q.view(torch.uint8) != q0.to(torch.float8_e4m3fn).view(torch.uint8)).float().mean().item()
+    assert differ < 1e-3
+    # against eager (the producer rounded to bf16 first): one e4m3 step at most
+    q1, s1 = torch_quant_rows(h, a, prologue)
+    step = (q1.float().abs() * 2**-3).clamp_min(2**-9)
+    assert bool(((q.float() * s / s1 - q1.float()).abs() <= step + 1e-6).all())
+
