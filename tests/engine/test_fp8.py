@@ -333,6 +333,46 @@ def test_inference_tensors_replaced_or_invalidated(cache):
         clear_cache()
         assert len(cache) == 0
 
+
+@needs_cpu_fast_path
+@torch.no_grad()
+def test_refresh_fast_path_sees_every_kind_of_change(cache, monkeypatch):
+    """refresh() skips the cache's full pass while nothing changed, and takes it after each kind
+    of change: an in-place write (version), a replaced parameter, a move to new memory (``.data``
+    swap, as ``module.to()`` does), invalidate(), and a weight the op met for the first time."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 32)).to(torch.bfloat16)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    slots = ModuleWeights(model)
+    with Fp8LinearMode():
+        model(x)
+    assert slots.refresh() == 2
+    full = []
+    orig = cache.refresh
+    monkeypatch.setattr(cache, "refresh", lambda weights=(): full.append(1) or orig(weights))
+
+    assert slots.refresh() == 0 and not full  # unchanged: no full pass
+    model[0].weight.mul_(2)
+    assert slots.refresh() == 1 and len(full) == 1
+    assert slots.refresh() == 0 and len(full) == 1
+    model[1].weight = torch.nn.Parameter(torch.randn_like(model[1].weight))
+    assert slots.refresh() == 1 and len(full) == 2
+    model[0].weight.data = model[0].weight.data.clone()  # new memory, same Parameter and version
+    assert slots.refresh() == 1 and len(full) == 3
+    slots.invalidate()
+    assert slots.refresh() == 2 and len(full) == 4
+    assert slots.refresh() == 0 and len(full) == 4
+    with Fp8LinearMode():  # the op queues a weight it has no copy of: generation changes
+        fp8_linear_cached(x, torch.randn(16, 32, dtype=torch.bfloat16))
+    slots.refresh()
+    assert len(full) == 5
+    hits = cache.stats["hits"]
+    with Fp8LinearMode():  # every copy is current: the call reads the cache
+        out = model(x)
+    assert cache.stats["hits"] == hits + 2
+    with Fp8LinearMode(reference=True):
+        ref = model(x)
+    assert rel_l2(out, ref) < FAST_TOL
+
 # -- options and settings
 
 
