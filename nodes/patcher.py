@@ -26,6 +26,7 @@ import nexfort_engine
 from nexfort_engine import counters
 from nexfort_engine.cache import ENV_CACHE_DIR
 from nexfort_engine.options import CompileConfig
+from nexfort_engine.transfer import to_device_async
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
         if first:
             _progress(node_id, "nexfort: compiling (first step)…")
         base.diffusion_model = compiled
+        # the conditioning ComfyUI keeps on the CPU, copied without a host-GPU synchronisation
+        # (ComfyUI's own per-step copies come from pageable memory: the GPU then idles each step)
+        x = args[0] if args else kwargs.get("x")
+        if isinstance(x, torch.Tensor) and x.is_cuda:
+            kwargs = {k: to_device_async(v, x.device) for k, v in kwargs.items()}
+            args = tuple(to_device_async(v, x.device) if i >= 2 else v for i, v in enumerate(args))
         try:
             return executor(*args, **kwargs)
         finally:

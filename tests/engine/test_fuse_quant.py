@@ -310,11 +310,13 @@ def test_kernel_matches_twin_on_gpu(prologue, ka, k, m):
     # against the float32 twin (the kernel keeps the producer in float32): same scales, and the
     # same e4m3 bytes but for values on a rounding boundary
     q0, s0 = torch_scaled_rows(h.float(), a.float() if a is not None else None, prologue)
-    assert float(((s - s0).abs() / s0).max()) < 1e-6
+    assert float(((s - s0).abs() / s0).max()) < 1e-5
     differ = (q.view(torch.uint8) != q0.to(torch.float8_e4m3fn).view(torch.uint8)).float().mean().item()
     assert differ < 1e-3
-    # against eager (the producer rounded to bf16 first): one e4m3 step at most
+    # against eager (the producer rounded to bf16 first, so its scale differs by up to 2^-9): one
+    # e4m3 step at the larger magnitude at most (3 mantissa bits; 2^-9 among subnormals)
     q1, s1 = torch_quant_rows(h, a, prologue)
-    step = (q1.float().abs() * 2**-3).clamp_min(2**-9)
-    assert bool(((q.float() * s / s1 - q1.float()).abs() <= step + 1e-6).all())
+    mine = q.float() * s / s1
+    step = (torch.maximum(mine.abs(), q1.float().abs()) * 2**-3).clamp_min(2**-9)
+    assert bool(((mine - q1.float()).abs() <= step + mine.abs() * 2**-7).all())
 
