@@ -53,3 +53,14 @@ def clean_dynamo(monkeypatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def cache():
+    """The process-wide fp8 weight cache (nexfort_engine.fp8.CACHE), empty before and after the test."""
+    from nexfort_engine.fp8 import CACHE, clear_cache
+
+    clear_cache()
+    CACHE.stats.update(dict.fromkeys(CACHE.stats, 0))
+    yield CACHE
+    clear_cache()

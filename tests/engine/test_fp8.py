@@ -201,15 +201,6 @@ def test_mode_leaves_training_alone():
 # -- the weight cache
 
 
-@pytest.fixture
-def cache():
-    """The process-wide fp8 weight cache, empty before and after the test."""
-    clear_cache()
-    CACHE.stats.update(dict.fromkeys(CACHE.stats, 0))
-    yield CACHE
-    clear_cache()
-
-
 def _entry(w: torch.Tensor):
     return CACHE._entries[fp8_mod._key(w)]
 

@@ -35,7 +35,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 import nexfort_engine
 from nexfort_engine import OptionsError, parse_options
 from nexfort_engine import settings as S
-from nexfort_engine.fp8 import CACHE, Fp8LinearMode, clear_cache, fp8_supported
+from nexfort_engine.fp8 import Fp8LinearMode, fp8_supported
 from nexfort_engine.passes import fuse_quant
 from nexfort_engine.rowwise_quant import (
     ONE_PASS_MAX,
@@ -247,14 +247,6 @@ def test_resolve_fused_quant():
     assert forced.fused_quant
     plain = S.resolve(parse_options({"fp8": True}), cuda=False)
     assert forced.digest(parse_options({"fp8": True})) != plain.digest(parse_options({"fp8": True}))
-
-
-@pytest.fixture
-def cache():
-    clear_cache()
-    CACHE.stats.update(dict.fromkeys(CACHE.stats, 0))
-    yield CACHE
-    clear_cache()
 
 
 class GeluMLP(torch.nn.Module):
