@@ -16,6 +16,9 @@
 #   5. options: --keep-cache puts the compile caches in $OUT/caches.tar.gz if that is under
 #      CACHE_MAX_MB (default 15); --restore-cache unpacks .device/caches.tar.gz first (then
 #      "warm-up with compilation" is no longer cold - say so when reporting)
+# Results and compile caches are per call ($WORK/results/<call>, $WORK/cache/<call>): a later call
+# on a machine still warm from an earlier one neither merges the earlier rows into its results.json
+# nor finds their compiled graphs (that made run74's results carry a row of run73).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,7 +41,10 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-mkdir -p "$OUT" "$WORK/results" "$WORK/cache"
+CALL="call-$START-$$"
+RESULTS="$WORK/results/$CALL"
+CACHE="$WORK/cache/$CALL"
+mkdir -p "$OUT" "$RESULTS" "$CACHE"
 LOG="$WORK/log.txt"
 : > "$LOG"
 log() { echo "$*" | tee -a "$LOG"; }
@@ -67,7 +73,7 @@ fi
 mkdir -p "$COMFY/custom_nodes"
 ln -sfn "$ROOT" "$COMFY/custom_nodes/nexfort"
 if [ "$RESTORE_CACHE" = 1 ] && [ -f "$ROOT/.device/caches.tar.gz" ]; then
-    tar -xzf "$ROOT/.device/caches.tar.gz" -C "$WORK/cache" && log "restored caches from .device/caches.tar.gz"
+    tar -xzf "$ROOT/.device/caches.tar.gz" -C "$CACHE" && log "restored caches from .device/caches.tar.gz"
 fi
 
 # 2. smoke
@@ -91,8 +97,8 @@ EOF
 } | tee -a "$LOG"
 
 refresh_out() {
-    if ls "$WORK"/results/*.json >/dev/null 2>&1; then
-        "$PY" "$ROOT/benchmarks/report.py" "$WORK"/results/*.json --markdown "$OUT/report.md" \
+    if ls "$RESULTS"/*.json >/dev/null 2>&1; then
+        "$PY" "$ROOT/benchmarks/report.py" "$RESULTS"/*.json --markdown "$OUT/report.md" \
             --chart "$OUT/speedup.png" --merged-json "$OUT/results.json" > /dev/null 2>> "$LOG"
     fi
     # the log: last 15 MB at most (the file limit is 16 MiB)
@@ -110,8 +116,8 @@ for cmd in "$@"; do
     fi
     eval "args=($cmd)"
     extra=()
-    case " $cmd " in *" --cache-dir"*) ;; *) extra+=(--cache-dir "$WORK/cache/run$i") ;; esac
-    json="$WORK/results/$(printf '%02d' "$i").json"
+    case " $cmd " in *" --cache-dir"*) ;; *) extra+=(--cache-dir "$CACHE/run$i") ;; esac
+    json="$RESULTS/$(printf '%02d' "$i").json"
     log "== [$i] (${left}s left) text_to_image.py $cmd"
     t0=$(date +%s)
     timeout --signal=INT --kill-after=10 "$left" "$PY" "$ROOT/benchmarks/text_to_image.py" --comfy-root "$COMFY" \
@@ -123,7 +129,7 @@ done
 
 # 4. caches, only if small
 if [ "$KEEP_CACHE" = 1 ]; then
-    tar -czf "$WORK/caches.tar.gz" -C "$WORK/cache" . 2>/dev/null
+    tar -czf "$WORK/caches.tar.gz" -C "$CACHE" . 2>/dev/null
     size=$(stat -c %s "$WORK/caches.tar.gz" 2>/dev/null || echo 0)
     if [ "$size" -le $((CACHE_MAX_MB * 1024 * 1024)) ]; then
         cp "$WORK/caches.tar.gz" "$OUT/caches.tar.gz"
