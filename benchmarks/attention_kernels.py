@@ -125,6 +125,7 @@ def main() -> None:
 
             if exp16:
                 continue
+            torch._dynamo.reset()  # one compile per case and variant, not recompiles of one
             cq = torch.compile(quant, dynamic=False)
             t0 = time.perf_counter()
             cq(q, k, v, dtype, pv)

@@ -40,14 +40,14 @@ def quantize_tokens(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> tuple[to
     """``[B, H, N, D]`` -> (``dtype`` ``[B, H, N, D]`` contiguous, float32 scales ``[B, H, N]``): one
     scale per token and head, ``max(amax, 1e-12) / 448`` for e4m3, ``/ 127`` (rounded to nearest)
     for int8."""
+    if dtype not in (FP8_DTYPE, torch.int8):
+        raise ValueError(f"quantize_tokens: dtype {dtype} not supported; valid: torch.float8_e4m3fn, torch.int8")
     x32 = x.float()
     top = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
     scale = x32.abs().amax(dim=-1).clamp(min=1e-12) / top
     scaled = (x32 / scale.unsqueeze(-1)).clamp(-top, top)
     if dtype == torch.int8:
         scaled = scaled.round()
-    elif dtype != FP8_DTYPE:
-        raise ValueError(f"quantize_tokens: dtype {dtype} not supported; valid: torch.float8_e4m3fn, torch.int8")
     return scaled.to(dtype).contiguous(), scale.contiguous()
 
 
@@ -103,15 +103,7 @@ def torch_fp8_attention(
     return out
 
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def launch_config(head_dim: int, pv_fp8: bool) -> tuple[int, int, int, int]:
+def launch_config(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of the configurations measured on an
     H200 for 128- and 64-wide heads (run71/72: 64 x 128, 4 warps, 3 stages)."""
     if head_dim > 128:
@@ -139,7 +131,7 @@ def triton_fp8_attention(
     out = _out(q8, out_dtype)
     if out.numel() == 0:
         return out
-    block_m, block_n, warps, stages = config or launch_config(d, pv_fp8)
+    block_m, block_n, warps, stages = config or launch_config(d)
     grid = (triton.cdiv(n_q, block_m), b * h)
     fp8_attention_kernel[grid](
         q8, k8, v, qs, ks, vs, out,
