@@ -20,23 +20,33 @@ model would have moved it anyway.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["to_device_async"]
+__all__ = ["map_cpu_tensors", "to_device_async"]
 
 
 def to_device_async(value: Any, device: torch.device) -> Any:
-    """``value`` with its CPU tensors (top level, lists, tuples) on CUDA ``device``, copied
-    asynchronously from pinned memory; anything else unchanged."""
+    """``value`` with its CPU tensors (top level, lists, tuples, named tuples) on CUDA ``device``,
+    copied asynchronously from pinned memory; anything else unchanged."""
     if device.type != "cuda":
         return value
+    return map_cpu_tensors(value, lambda t: t.pin_memory().to(device, non_blocking=True))
+
+
+def map_cpu_tensors(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``move`` applied to each CPU tensor that needs no grad (top level, lists,
+    tuples, named tuples; not dicts); containers without such a tensor come back as they are."""
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu" or value.requires_grad:
             return value
-        return value.pin_memory().to(device, non_blocking=True)
+        return move(value)
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        moved = [to_device_async(v, device) for v in value]
-        return type(value)(moved) if isinstance(value, tuple) else moved
+        moved = [map_cpu_tensors(v, move) for v in value]
+        if isinstance(value, list):
+            return moved
+        if hasattr(value, "_fields"):  # a named tuple takes its fields as arguments
+            return type(value)(*moved)
+        return type(value)(moved)
     return value

@@ -3,10 +3,12 @@ device from pinned memory; everything else, and every value for a non-CUDA devic
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import pytest
 import torch
 
-from nexfort_engine.transfer import to_device_async
+from nexfort_engine.transfer import map_cpu_tensors, to_device_async
 
 
 def test_non_cuda_device_or_values_are_unchanged():
@@ -19,6 +21,23 @@ def test_non_cuda_device_or_values_are_unchanged():
     assert to_device_async(d, torch.device("cuda")) is d
     needs_grad = torch.randn(2, requires_grad=True)
     assert to_device_async(needs_grad, torch.device("cuda")) is needs_grad
+
+
+def test_containers_keep_their_type_and_untouched_values():
+    """The walk ``to_device_async`` makes, with a visible ``move`` (runs on CPU)."""
+    Pair = namedtuple("Pair", "cond extra")
+    t, frozen = torch.randn(2), torch.randn(2, requires_grad=True)
+
+    def move(x):
+        return x * 0 + 7
+
+    out = map_cpu_tensors([t, (t, 1), Pair(t, "x"), frozen, {"a": t}], move)
+    assert isinstance(out, list) and torch.equal(out[0], torch.full((2,), 7.0))
+    assert isinstance(out[1], tuple) and out[1][1] == 1 and torch.equal(out[1][0], out[0])
+    assert isinstance(out[2], Pair) and out[2].extra == "x" and torch.equal(out[2].cond, out[0])
+    assert out[3] is frozen and out[4]["a"] is t  # grad-requiring tensors and dicts are left alone
+    plain = (1, "a")
+    assert map_cpu_tensors(plain, move) is plain
 
 
 @pytest.mark.gpu
