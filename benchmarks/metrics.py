@@ -294,6 +294,52 @@ def _device_us(evt: Any) -> float:
     return 0.0
 
 
+def _is_device_event(evt: Any) -> bool:
+    return str(getattr(evt, "device_type", "")).endswith("CUDA")
+
+
+def idle_gaps(events: Any, steps: int, top: int = 8, min_us: float = 20.0) -> dict[str, Any]:
+    """Where the GPU waited, from a profiler's event list (``prof.events()``): the gaps of at least
+    ``min_us`` between one kernel (any stream) ending and the next starting, per step, and the
+    ``top`` largest with the kernels on either side and the host's ``aten::`` ops running in the
+    gap (the ones with the most time inside it: what the host was doing while the GPU had nothing
+    queued). Empty without device events."""
+    steps = max(steps, 1)
+    kernels = sorted((float(e.time_range.start), float(e.time_range.end), str(e.name))
+                     for e in events if _is_device_event(e))
+    if len(kernels) < 2:
+        return {}
+    gaps: list[tuple[float, float, float, str, str]] = []
+    busy_end, last = kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start - busy_end >= min_us:
+            gaps.append((start - busy_end, busy_end, start, last, name))
+        if end >= busy_end:
+            busy_end, last = end, name
+    host = sorted((float(e.time_range.start), float(e.time_range.end), str(e.name))
+                  for e in events if not _is_device_event(e) and str(e.name).startswith("aten::"))
+    largest = []
+    for us, a, b, before, after in sorted(gaps, reverse=True)[:top]:
+        inside: dict[str, float] = {}
+        for h_start, h_end, name in host:
+            if h_start >= b:
+                break
+            overlap = min(h_end, b) - max(h_start, a)
+            if overlap > 0:
+                inside[name] = inside.get(name, 0.0) + overlap
+        largest.append({
+            "us": round(us, 1), "after_kernel": before[:90], "before_kernel": after[:90],
+            "host_ops": [f"{n} {round(v, 1)}us" for n, v in sorted(inside.items(), key=lambda kv: -kv[1])[:4]],
+        })
+    return {
+        "min_gap_us": min_us,
+        "idle_ms_per_step": round(sum(g[0] for g in gaps) / 1000.0 / steps, 3),
+        "gaps_per_step": round(len(gaps) / steps, 1),
+        "span_ms_per_step": round((busy_end - kernels[0][0]) / 1000.0 / steps, 3),
+        "largest": largest,
+    }
+
+
 def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: bool = True) -> dict[str, Any]:
     """GPU kernel time of one profiled sampling run, per step: by category and the top kernels
     (``cuda=False``: self CPU time of the ``aten::`` ops instead, for CPU runs).
@@ -332,6 +378,8 @@ def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: 
         "triton_kernels": {n: [round(us / 1000.0 / steps, 4), round(c / steps, 1)]
                            for n, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])
                            if category[n] == "triton" or n.startswith("triton_")},
+        # where the GPU waited between kernels, and what the host ran meanwhile (GPU runs only)
+        "idle_gaps": idle_gaps(prof.events(), steps) if cuda else {},
     }
 
 

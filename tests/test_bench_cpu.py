@@ -218,6 +218,38 @@ def test_kernel_category():
     assert kernel_category("aten::mm") == "gemm" and kernel_category("aten::addmm") == "gemm"
 
 
+def test_idle_gaps():
+    """The gap analysis of ``--profile`` on a made-up event list: two streams overlapping, one
+    gap under the threshold, two over it; host ops credited by their time inside each gap."""
+    from types import SimpleNamespace as NS
+
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.metrics import idle_gaps
+    finally:
+        sys.path.remove(str(REPO))
+
+    def ev(name, start, end, device="DeviceType.CUDA"):
+        return NS(name=name, time_range=NS(start=start, end=end), device_type=device)
+
+    events = [
+        ev("k1", 0, 100), ev("k2", 50, 300),  # overlapping: busy until 300
+        ev("k3", 310, 400),  # a 10 us gap: under the 20 us threshold
+        ev("k4", 500, 600),  # a 100 us gap after k3
+        ev("k5", 1000, 1100),  # a 400 us gap after k4
+        ev("aten::copy_", 600, 900, "DeviceType.CPU"), ev("aten::linear", 850, 1200, "DeviceType.CPU"),
+        ev("aten::mm", 420, 450, "DeviceType.CPU"), ev("cudaLaunchKernel", 700, 710, "DeviceType.CPU"),
+    ]
+    out = idle_gaps(events, steps=2)
+    assert out["idle_ms_per_step"] == 0.25 and out["gaps_per_step"] == 1.0 and out["span_ms_per_step"] == 0.55
+    first, second = out["largest"]
+    assert (first["us"], first["after_kernel"], first["before_kernel"]) == (400.0, "k4", "k5")
+    assert first["host_ops"] == ["aten::copy_ 300.0us", "aten::linear 150.0us"]
+    assert (second["us"], second["after_kernel"], second["before_kernel"], second["host_ops"]) == (
+        100.0, "k3", "k4", ["aten::mm 30.0us"])
+    assert idle_gaps([ev("k1", 0, 1)], steps=1) == {} and idle_gaps([], steps=1) == {}
+
+
 def test_unet_call_tool_reports_the_fold_and_the_generated_code(tmp_path):
     """benchmarks/unet_call.py (compiler-side A/B outside the sampler) with the eager backend: it
     runs, the fold is on by default and off with spatial_multiple 1, one graph over two sizes."""
