@@ -27,9 +27,10 @@ import math
 
 import torch
 
+from nexfort_engine.fp8 import FP8_DTYPE, quantize_rowwise
+
 __all__ = ["FP8_DTYPE", "quantize_channels", "quantize_tokens", "torch_fp8_attention", "triton_fp8_attention"]
 
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 INT8_MAX = 127.0
 #: head dimensions the kernel takes (a power of two: Triton's block shapes)
@@ -38,26 +39,24 @@ HEAD_DIMS = (32, 64, 128, 256)
 
 def quantize_tokens(x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, N, D]`` -> (``dtype`` ``[B, H, N, D]`` contiguous, float32 scales ``[B, H, N]``): one
-    scale per token and head, ``max(amax, 1e-12) / 448`` for e4m3, ``/ 127`` (rounded to nearest)
-    for int8."""
+    scale per token and head, ``max(amax, 1e-12) / 448`` for e4m3
+    (:func:`nexfort_engine.fp8.quantize_rowwise`), ``/ 127`` (rounded to nearest) for int8."""
     if dtype not in (FP8_DTYPE, torch.int8):
         raise ValueError(f"quantize_tokens: dtype {dtype} not supported; valid: torch.float8_e4m3fn, torch.int8")
-    x32 = x.float()
-    top = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
-    scale = x32.abs().amax(dim=-1).clamp(min=1e-12) / top
-    scaled = (x32 / scale.unsqueeze(-1)).clamp(-top, top)
-    if dtype == torch.int8:
-        scaled = scaled.round()
-    return scaled.to(dtype).contiguous(), scale.contiguous()
+    if dtype == FP8_DTYPE:
+        q, scale = quantize_rowwise(x)
+    else:
+        x32 = x.float()
+        scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+        q = (x32 / scale).clamp(-INT8_MAX, INT8_MAX).round().to(dtype)
+    return q.contiguous(), scale.squeeze(-1).contiguous()
 
 
 def quantize_channels(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, N, D]`` -> (e4m3 ``[B, H, D, N]`` contiguous: ``v`` transposed, float32 scales
     ``[B, H, D]``): one scale per channel and head, over all tokens."""
-    vt = v.float().transpose(-1, -2)
-    scale = vt.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    q = (vt / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.contiguous(), scale.contiguous()
+    q, scale = quantize_rowwise(v.transpose(-1, -2))
+    return q.contiguous(), scale.squeeze(-1).contiguous()
 
 
 def _check(q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor, pv_fp8: bool) -> None:

@@ -68,6 +68,7 @@ __all__ = [
     "model_width",
     "pays_off",
     "quantize_rowwise",
+    "scale_rowwise",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -80,17 +81,23 @@ MIN_CAPABILITY = (8, 9)
 MIN_AUTO_WIDTH = 2048
 
 
+def scale_rowwise(t: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rowwise` up to the final cast: (float32 ``t / scale`` clamped to ``dtype``'s
+    range, fp32 scales [..., 1])."""
+    fmax = torch.finfo(dtype).max
+    t32 = t.float()
+    amax = t32.abs().amax(dim=-1, keepdim=True)
+    scale = amax.clamp(min=1e-12) / fmax
+    return (t32 / scale).clamp(-fmax, fmax), scale
+
+
 def quantize_rowwise(t: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` [..., K] -> (fp8 values, fp32 scales [..., 1]) with ``t ~= q * scale`` per row.
 
     The scale maps each row's absolute maximum onto the fp8 format's largest finite value.
     """
-    fmax = torch.finfo(dtype).max
-    t32 = t.float()
-    amax = t32.abs().amax(dim=-1, keepdim=True)
-    scale = amax.clamp(min=1e-12) / fmax
-    q = (t32 / scale).clamp(-fmax, fmax).to(dtype)
-    return q, scale
+    scaled, scale = scale_rowwise(t, dtype)
+    return scaled.to(dtype), scale
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .fp8 import FP8_DTYPE, scale_rowwise
+
 __all__ = ["PROLOGUES", "quant_rows", "torch_quant_rows", "torch_scaled_rows", "triton_available", "triton_quant_rows"]
 
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 #: prologue name -> the kernel's constexpr code
 PROLOGUES: dict[str, int] = {"none": 0, "gelu_tanh": 1, "gelu": 2, "geglu": 3}
@@ -76,10 +77,7 @@ def torch_scaled_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) ->
     x = _prologue(h, prologue)
     if a is not None:
         x = torch.cat([a.to(x.dtype), x], dim=-1)
-    t32 = x.float()
-    amax = t32.abs().amax(dim=-1, keepdim=True)
-    scale = amax.clamp(min=1e-12) / FP8_MAX
-    return (t32 / scale).clamp(-FP8_MAX, FP8_MAX), scale
+    return scale_rowwise(x)
 
 
 def torch_quant_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
