@@ -9,6 +9,7 @@ set-up, the first step's launch latency or the copy of the result.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -318,10 +319,14 @@ def idle_gaps(events: Any, steps: int, top: int = 8, min_us: float = 20.0) -> di
             busy_end, last = end, name
     host = sorted((float(e.time_range.start), float(e.time_range.end), str(e.name))
                   for e in events if not _is_device_event(e) and str(e.name).startswith("aten::"))
+    starts = [h[0] for h in host]
+    longest = max((h[1] - h[0] for h in host), default=0.0)
     largest = []
     for us, a, b, before, after in sorted(gaps, reverse=True)[:top]:
         inside: dict[str, float] = {}
-        for h_start, h_end, name in host:
+        # only ops starting after (a - the longest op) can reach into the gap
+        for j in range(bisect.bisect_left(starts, a - longest), len(host)):
+            h_start, h_end, name = host[j]
             if h_start >= b:
                 break
             overlap = min(h_end, b) - max(h_start, a)
