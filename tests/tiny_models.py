@@ -254,6 +254,12 @@ def with_diffusion_model(mp: Any, fn: Callable[..., Any]) -> Any:
     return m
 
 
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to the output scale (max |b|, at least 1e-6)."""
     a, b = a.float(), b.float()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import rel_l2
 from torch._dynamo.utils import counters as dynamo_counters
 
 import nexfort_engine
@@ -58,11 +59,6 @@ needs_cpu_fast_path = pytest.mark.skipif(
 
 #: (input shape, out_features): K and N multiples of 16, token counts odd, 3-D and 4-D inputs
 SHAPES = [((1, 7, 32), 48), ((2, 33, 64), 16), ((3, 5, 16), 80), ((2, 3, 5, 48), 32)]
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _inputs(shape, n, dtype, bias=True, seed=0):

@@ -259,10 +259,6 @@ class GeluMLP(torch.nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
-
-
 @pytest.mark.inductor
 @torch.no_grad()
 def test_inductor_compiles_the_fused_op(fresh_stats, nx_cache, cache, monkeypatch):
@@ -279,7 +275,7 @@ def test_inductor_compiles_the_fused_op(fresh_stats, nx_cache, cache, monkeypatc
         x = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
         with Fp8LinearMode(reference=True):
             ref = model(x)
-        assert _rel_l2(cm(x), ref) < 3e-2  # see test_fp8.py's COMPILED_TOL
+        assert tiny_models.rel_l2(cm(x), ref) < 3e-2  # see test_fp8.py's COMPILED_TOL
     assert not dynamo_counters["graph_break"]
     rec = fresh_stats()["models"][cm.label]
     assert rec["fallbacks"] == 0 and rec["compiles"] == 1 and rec["recompiles"] == 0
