@@ -137,6 +137,7 @@ class CompiledModule(torch.nn.Module):
         self._nx_group_norms = 0
         #: fp8 activation quantizations fused with their producers (passes/fuse_quant.py)
         self._nx_fused_quants = 0
+        self._nx_fused_ropes = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         self._nx_cudagraphs = False
@@ -182,6 +183,12 @@ class CompiledModule(torch.nn.Module):
             if n := rewrite_quantizations(gm):
                 self._nx_fused_quants += n
                 counters.set_info(self._nx_label, fp8_quant_fused=self._nx_fused_quants)
+        if self._nx_settings is not None and self._nx_settings.fused_rope:
+            from .passes.fuse_rope import rewrite_ropes
+
+            if n := rewrite_ropes(gm):
+                self._nx_fused_ropes += n
+                counters.set_info(self._nx_label, rope_fused=self._nx_fused_ropes)
         compiled = self._compile_graph(gm, example_inputs)
         self._nx_graphs += 1
         return compiled

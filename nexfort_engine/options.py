@@ -82,6 +82,7 @@ TOP_LEVEL_KEYS = (
     "group_norm_rewrite",
     "int32_size_args",
     "fused_quant",
+    "fused_rope",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -129,6 +130,11 @@ class CompileConfig:
     #: 2560 elements in one Triton kernel (passes/fuse_quant.py, rowwise_quant.py); None = auto (on
     #: on the GPU when Triton is installed), True/False = always/never (True on CPU: the torch twin)
     fused_quant: bool | None = None
+    #: DiT attention: per-head RMSNorm of queries/keys and their rotary embedding (Flux-family
+    #: blocks) in one Triton kernel (passes/fuse_rope.py, rope.py); None = auto (on on the GPU with
+    #: the Inductor backend when Triton is installed), True/False = always/never (True on CPU: the
+    #: torch twin)
+    fused_rope: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -290,6 +296,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         group_norm_rewrite=_as_optional_bool("group_norm_rewrite", options.get("group_norm_rewrite")),
         int32_size_args=_as_optional_bool("int32_size_args", options.get("int32_size_args")),
         fused_quant=_as_optional_bool("fused_quant", options.get("fused_quant")),
+        fused_rope=_as_optional_bool("fused_rope", options.get("fused_rope")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

@@ -133,6 +133,8 @@ class Settings:
     int32_size_args: bool = False
     #: fp8 graphs: GELU/GEGLU/concat producers quantized by nexfort::quant_rows (passes/fuse_quant.py)
     fused_quant: bool = False
+    #: queries/keys normalised and rotated by nexfort::rms_norm_rope (passes/fuse_rope.py)
+    fused_rope: bool = False
 
     def digest(self, config: CompileConfig) -> str:
         """Hash of what actually shapes the compiled artifacts on this machine (cache keys):
@@ -157,6 +159,9 @@ class Settings:
         d.pop("fused_quant", None)  # the effective value, only when on (older keys stay valid)
         if self.fused_quant:
             d["fused_quant"] = True
+        d.pop("fused_rope", None)  # the effective value, only when on (older keys stay valid)
+        if self.fused_rope:
+            d["fused_rope"] = True
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -253,6 +258,11 @@ def resolve(
     # fp8 graphs: wide GELU/GEGLU/concat rows quantized in one Triton kernel (rowwise_quant.py):
     # Flux's 12288/15360-wide rows 2-2.5x faster than Inductor's two kernels (H200, tenth session)
     fused_quant = fp8 and (config.fused_quant if config.fused_quant is not None else cuda and _has_triton())
+    # Flux-family query/key RMSNorm + rotary embedding in one Triton kernel (rope.py): the same
+    # function with eager's roundings, so in every mode that compiles with Inductor on the GPU
+    fused_rope = config.fused_rope if config.fused_rope is not None else (
+        cuda and config.backend == "inductor" and _has_triton()
+    )
     return Settings(
         inductor=inductor,
         runtime=runtime,
@@ -261,6 +271,7 @@ def resolve(
         persistent_rows=rows,
         int32_size_args=indexing.wanted(config.int32_size_args, cuda=cuda, dynamic=config.dynamic),
         fused_quant=bool(fused_quant),
+        fused_rope=bool(fused_rope),
     )
 
 

@@ -254,6 +254,14 @@ def with_diffusion_model(mp: Any, fn: Callable[..., Any]) -> Any:
     return m
 
 
+def rotations(batch: int, length: int, d: int, seed: int = 0) -> torch.Tensor:
+    """Rotary-embedding matrices in ComfyUI's ``pe`` layout (``flux.math.rope``): float32
+    ``[batch, 1, L, D/2, 2, 2]`` of random angles."""
+    gen = torch.Generator().manual_seed(seed)
+    angle = torch.randn(batch, 1, length, d // 2, generator=gen) * 3
+    return torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], -1).reshape(batch, 1, length, d // 2, 2, 2)
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b||, in float64."""
     a, b = a.double(), b.double()

@@ -1,0 +1,176 @@
+"""Microbenchmark: Flux's query/key RMSNorm + rotary embedding, Inductor's kernels vs ``nexfort::rms_norm_rope``.
+
+For Flux's two attention input paths at 1024² (4096 image + 512 text tokens, 24 heads of 128)
+this times
+
+* ``eager``: ComfyUI's ops (``QKNorm`` = ``torch.rms_norm`` per head, ``flux.math.apply_rope1``);
+* ``inductor``: the same function compiled by Inductor under dynamic shape the way nexfort
+  compiles it (:func:`nexfort_engine.reductions.persistent_rows`), what the graphs ran until now;
+* ``triton BLOCK_LxHEADSxWARPS``: :func:`nexfort_engine.rope.triton_rms_norm_rope` for several
+  launch configurations (``default`` = :data:`nexfort_engine.rope.DEFAULT_CONFIG`);
+
+and, with ``--sdpa``, each followed by the attention it feeds (cuDNN), since Inductor's kernels
+write the layout that attention reads. Each kernel's output is compared with Inductor's (largest
+absolute difference, fraction of differing values). GB/s counts q and k read once and written
+once, plus the rotation matrices once. The single block's q/k are views of ``linear1``'s output
+(row stride 21504); the double block concatenates the text and image streams (the image's
+``v`` concatenation is left to ``torch.cat`` in the fused variant and timed in both).
+
+    python3 benchmarks/rope_kernels.py --output-json out.json --code-dir out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import metrics  # noqa: E402
+from nexfort_engine.reductions import DEFAULT_LIMIT, persistent_rows  # noqa: E402
+from nexfort_engine.rope import DEFAULT_CONFIG, torch_apply_rope, triton_rms_norm_rope  # noqa: E402
+
+HEADS, D, IMG, TXT, EPS = 24, 128, 4096, 512, 1e-6
+CONFIGS = [(8, 4, 4), (16, 1, 4), (16, 2, 4), (16, 4, 4), (16, 8, 4), (16, 24, 4), (32, 4, 4), (32, 4, 8),
+           (32, 8, 8), (8, 8, 2), (64, 2, 8)]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.rms_norm(x, (x.shape[-1],), w, EPS)
+
+
+def single_eager(lin1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    qkv, _mlp = torch.split(lin1, [3 * HEADS * D, lin1.shape[-1] - 3 * HEADS * D], dim=-1)
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    return torch_apply_rope(_rms(q, wq), pe), torch_apply_rope(_rms(k, wk), pe), v
+
+
+def single_fused(lin1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, pe: torch.Tensor,
+                 config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+    qkv = lin1[..., : 3 * HEADS * D]
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    return triton_rms_norm_rope([q], [wq], pe, EPS, config), triton_rms_norm_rope([k], [wk], pe, EPS, config), v
+
+
+def double_eager(img_qkv: torch.Tensor, txt_qkv: torch.Tensor, w: list[torch.Tensor], pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    iq, ik, iv = img_qkv.view(img_qkv.shape[0], img_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    tq, tk, tv = txt_qkv.view(txt_qkv.shape[0], txt_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    q = torch.cat((_rms(tq, w[2]), _rms(iq, w[0])), dim=2)
+    k = torch.cat((_rms(tk, w[3]), _rms(ik, w[1])), dim=2)
+    return torch_apply_rope(q, pe), torch_apply_rope(k, pe), torch.cat((tv, iv), dim=2)
+
+
+def double_fused(img_qkv: torch.Tensor, txt_qkv: torch.Tensor, w: list[torch.Tensor], pe: torch.Tensor,
+                 config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+    iq, ik, iv = img_qkv.view(img_qkv.shape[0], img_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    tq, tk, tv = txt_qkv.view(txt_qkv.shape[0], txt_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    q = triton_rms_norm_rope([tq, iq], [w[2], w[0]], pe, EPS, config)
+    k = triton_rms_norm_rope([tk, ik], [w[3], w[1]], pe, EPS, config)
+    return q, k, torch.cat((tv, iv), dim=2)
+
+
+def _with_sdpa(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..., torch.Tensor]:
+    def f(*args: Any, **kwargs: Any) -> torch.Tensor:
+        q, k, v = fn(*args, **kwargs)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    return f
+
+
+def _inductor(fn: Callable[..., Any]) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        with persistent_rows(DEFAULT_LIMIT):
+            return compile_fx(gm, example_inputs)
+
+    return torch.compile(fn, backend=backend, dynamic=True)
+
+
+def _compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> dict[str, float]:
+    diffs = [(a.float() - b.float()).abs() for a, b in zip(out[:2], ref[:2], strict=True)]
+    return {
+        "max_abs_vs_inductor": round(max(float(d.max()) for d in diffs), 5),
+        "differing_vs_inductor": round(sum(float((d > 0).float().mean()) for d in diffs) / 2, 5),
+    }
+
+
+def measure(case: str, iters: int, sdpa: bool, code_dir: Path | None) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    length = IMG + TXT
+    angle = torch.randn(1, 1, length, D // 2, device="cuda", generator=gen) * 3
+    pe = torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], -1).reshape(1, 1, length, D // 2, 2, 2)
+    ws = [torch.rand(D, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5 for _ in range(4)]
+    if case == "single":
+        lin1 = torch.randn(1, length, 3 * HEADS * D + 4 * HEADS * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        args: tuple[Any, ...] = (lin1, ws[0], ws[1], pe)
+        eager, fused = single_eager, single_fused
+    else:
+        img = torch.randn(1, IMG, 3 * HEADS * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        txt = torch.randn(1, TXT, 3 * HEADS * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        args = (img, txt, ws, pe)
+        eager, fused = double_eager, double_fused
+    qk = 2 * HEADS * length * D * 2
+    traffic = 2 * qk + pe.numel() * 4
+    row: dict[str, Any] = {"case": case, "tokens": length, "traffic_MB": round(traffic / 1e6, 1)}
+
+    def record(label: str, fn: Callable[[], Any]) -> Any:
+        out = fn()
+        seconds = metrics.time_op(fn, pe.device, iters, blocks=3, warmup=5)
+        row[label] = {"us": round(seconds * 1e6, 2), "GB/s": round(traffic / seconds / 1e9, 1)}
+        return out
+
+    record("eager", lambda: eager(*args))
+    torch._dynamo.reset()
+    compiled = _inductor(eager)
+    if code_dir is not None:
+        from torch._inductor.utils import run_and_get_code
+
+        _, codes = run_and_get_code(compiled, *args)
+        code_dir.mkdir(parents=True, exist_ok=True)
+        (code_dir / f"rope_inductor_{case}.py").write_text("\n\n# ----\n\n".join(codes))
+    ref = record("inductor", lambda: compiled(*args))
+    for config in [None, *CONFIGS]:
+        label = "triton " + ("x".join(map(str, config)) if config else "default " + "x".join(map(str, DEFAULT_CONFIG)))
+        out = record(label, lambda config=config: fused(*args, config=config))
+        row[label].update(_compare(out, ref))
+    if sdpa:
+        torch._dynamo.reset()
+        compiled_attn = _inductor(_with_sdpa(eager))
+        record("inductor + sdpa", lambda: compiled_attn(*args))
+        attn = _with_sdpa(fused)
+        record("triton default + sdpa", lambda: attn(*args))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--sdpa", action="store_true", help="also time each variant followed by attention")
+    p.add_argument("--output-json", type=Path)
+    p.add_argument("--code-dir", type=Path, help="write Inductor's generated code here")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.stderr.write("rope_kernels needs a CUDA device\n")
+        return 2
+    torch._dynamo.config.cache_size_limit = 64
+    rows = []
+    for case in ("single", "double"):
+        row = measure(case, a.iters, a.sdpa, a.code_dir)
+        sys.stdout.write(json.dumps(row) + "\n")
+        sys.stdout.flush()
+        rows.append(row)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": rows}
+    if a.output_json:
+        a.output_json.parent.mkdir(parents=True, exist_ok=True)
+        a.output_json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Query/key RMSNorm and rotary embedding of DiT attention, fused: one Triton kernel, one torch twin.
+
+What: :func:`rms_norm_rope` computes what Flux-style blocks (ComfyUI's ``flux.layers``
+``QKNorm`` followed by ``flux.math.apply_rope1``) compute for the queries or the keys::
+
+    y = cat([rms_norm(x_i, (D,), w_i, eps) for each part i], dim=2)   # [B, H, L, D], model dtype
+    out[..., 2j + r] = freqs[..., j, r, 0] * y[..., 2j] + freqs[..., j, r, 1] * y[..., 2j + 1]
+
+in float32, returned in the model dtype. ``freqs`` is ComfyUI's ``pe``: ``[B or 1, 1, L, D/2, 2,
+2]`` float32. The parts are Flux's double-block text and image streams (one part in single
+blocks); each ``x_i`` may be any strided ``[B, H, L_i, D]`` view with a contiguous last dim (the
+heads of a fused QKV projection's output). The result is a new contiguous ``[B, H, L, D]`` tensor.
+
+The custom op ``nexfort::rms_norm_rope`` runs :func:`triton_rms_norm_rope` on CUDA tensors and the
+twin :func:`torch_rms_norm_rope` elsewhere; :mod:`nexfort_engine.passes.fuse_rope` puts it into
+compiled graphs in place of the ops ComfyUI's code traces to.
+
+Why: Inductor's kernels for this path read the rotation matrices (1 KiB of float32 per position,
+4x the bf16 row they rotate) once per head and row. An H200 profile of Flux O3 (BENCHMARKS.md,
+run68) showed the single blocks' query/key kernel at 81 us per call (38 calls, 3.1 ms per step,
+about 1.4 TB/s), and the double blocks' normalise/concatenate/rotate path at about 2.8 ms per step
+over eight kernels. Here each program loads the matrices of its positions once for several heads,
+and the double blocks' concatenation is the output's layout, not a copy.
+
+Numerics: the row's mean square, ``rsqrt`` and the weight product are float32, rounded once to
+the model dtype (as torch's fused CUDA ``rms_norm`` and Inductor do; the CPU composite rounds
+after the normalisation and again after the weight), and the rotation is float32 on those rounded
+values as in eager, one rounding at the end. The result can differ from eager by one rounding
+step of the model dtype; the tests bound it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_rms_norm_rope"]
+
+#: (BLOCK_L, HEADS, num_warps) when none is given
+DEFAULT_CONFIG = (16, 4, 4)
+
+
+def _check(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate the arguments; returns (B, H, L, D) of the result."""
+    if not xs or len(xs) != len(weights):
+        raise ValueError(f"rms_norm_rope: one weight per part, got {len(xs)} parts and {len(weights)} weights")
+    b, h, _, d = (xs[0].shape if xs[0].dim() == 4 else (None,) * 4)
+    for x, w in zip(xs, weights, strict=True):
+        if x.dim() != 4 or x.shape[0] != b or x.shape[1] != h or x.shape[3] != d or x.dtype != xs[0].dtype:
+            raise ValueError("rms_norm_rope: parts must be [B, H, L_i, D] with the same B, H, D and dtype, got "
+                             f"{[tuple(p.shape) for p in xs]}")
+        if w.dim() != 1 or w.shape[0] != d:
+            raise ValueError(f"rms_norm_rope: each weight must be [D] = [{d}], got {tuple(w.shape)}")
+    if d % 2:
+        raise ValueError(f"rms_norm_rope: the head size must be even (pairs are rotated), got {d}")
+    length = sum(x.shape[2] for x in xs)
+    if (freqs.dim() != 6 or freqs.dtype != torch.float32 or freqs.shape[0] not in (1, b) or freqs.shape[1] != 1
+            or freqs.shape[2] != length or freqs.shape[3] != d // 2 or tuple(freqs.shape[4:]) != (2, 2)):
+        raise ValueError(f"rms_norm_rope: freqs must be float32 [1 or B, 1, L, D/2, 2, 2] = [.., 1, {length}, {d // 2}, 2, 2], "
+                         f"got {freqs.dtype} {tuple(freqs.shape)}")
+    return b, h, length, d
+
+
+def torch_apply_rope(y: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The rotation as ComfyUI's ``flux.math.apply_rope1`` computes it (float32, then ``y``'s dtype)."""
+    y_ = y.to(dtype=freqs.dtype).reshape(*y.shape[:-1], -1, 1, 2)
+    out = freqs[..., 0] * y_[..., 0]
+    out.addcmul_(freqs[..., 1], y_[..., 1])
+    return out.reshape(*y.shape).type_as(y)
+
+
+def torch_rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference: eager's ops (``torch.rms_norm`` per part, ``cat`` on the sequence dim, the
+    rotation), contiguous."""
+    _check(xs, weights, freqs)
+    ys = [torch.rms_norm(x, (x.shape[-1],), w, eps) for x, w in zip(xs, weights, strict=True)]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
+    return torch_apply_rope(y, freqs).contiguous()
+
+
+def _kernel() -> Any:
+    """The Triton kernel (:mod:`nexfort_engine.rope_kernel`, imported on first use: importing this
+    module needs no Triton)."""
+    from .rope_kernel import rms_norm_rope_kernel
+
+    return rms_norm_rope_kernel
+
+
+def triton_rms_norm_rope(
+    xs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    freqs: torch.Tensor,
+    eps: float,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """:func:`torch_rms_norm_rope` in one Triton launch per part (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``). ``config`` (BLOCK_L, HEADS, num_warps) overrides the default
+    (benchmarks, tests)."""
+    b, h, length, d = _check(xs, weights, freqs)
+    if d & (d - 1):
+        raise ValueError(f"rms_norm_rope: the Triton kernel needs a power-of-two head size, got {d}")
+    out = torch.empty((b, h, length, d), device=xs[0].device, dtype=xs[0].dtype)
+    if freqs.stride(5) != 1 or freqs.stride(4) != 2 or freqs.stride(3) != 4:
+        freqs = freqs.contiguous()
+    block_l, heads, warps = config or DEFAULT_CONFIG
+    heads = min(heads, h)
+    row0 = 0
+    for x, w in zip(xs, weights, strict=True):
+        n = x.shape[2]
+        if n and b and h:
+            if x.stride(3) != 1:
+                x = x.contiguous()
+            _kernel()[(triton_cdiv(n, block_l), triton_cdiv(h, heads), b)](
+                x, w.contiguous(), freqs, out,
+                n, h, length, row0,
+                x.stride(0), x.stride(1), x.stride(2), freqs.stride(0) if freqs.shape[0] > 1 else 0, freqs.stride(2),
+                float(eps),
+                D=d, BLOCK_L=block_l, HEADS=heads, num_warps=warps,
+            )
+        row0 += n
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@torch.library.custom_op("nexfort::rms_norm_rope", mutates_args=())
+def rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    """Queries or keys normalised per head and rotated (module docstring): a contiguous
+    ``[B, H, L, D]`` tensor. The Triton kernel on CUDA (power-of-two head sizes), the torch twin
+    elsewhere."""
+    d = xs[0].shape[-1] if xs else 0
+    if xs and xs[0].is_cuda and d and not d & (d - 1) and triton_available():
+        return triton_rms_norm_rope(xs, weights, freqs, eps)
+    return torch_rms_norm_rope(xs, weights, freqs, eps)
+
+
+@rms_norm_rope.register_fake
+def _(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    b, h, length, d = _check(xs, weights, freqs)
+    return xs[0].new_empty((b, h, length, d))
