@@ -7,7 +7,8 @@ single-block ``cat(attention, gelu(mlp))`` rows, at 1024² sizes) this times
   it (:func:`nexfort_engine.reductions.persistent_rows`), what the fp8 graphs ran until now;
 * ``inductor producer only``: the bf16 producer alone (what a bf16 model pays there);
 * ``triton BLOCKxWARPS``: :func:`nexfort_engine.rowwise_quant.triton_quant_rows` with the producer
-  fused, for several launch configurations (``auto`` = :func:`launch_config`);
+  fused, for several launch configurations (``auto`` = :func:`launch_config`), each also with
+  ``fast`` (approximate division in the GELU, one reciprocal per row);
 * ``inductor producer + triton none``: the producer materialised in bf16, then the kernel;
 
 and compares each kernel's fp8 output with Inductor's (fraction of differing bytes, largest
@@ -114,9 +115,11 @@ def measure(name: str, iters: int) -> dict[str, Any]:
     auto = launch_config(k_out - ka, ka)
     for config in [None, *CONFIGS]:
         one_pass, b, w = config or auto
-        label = f"triton {'one-pass' if one_pass else f'two-pass {b}'} x{w}" + (" (auto)" if config is None else "")
-        q, s = record(label, lambda config=config: triton_quant_rows(h, a, prologue, config=config))
-        row[label].update(_compare(q, s, q0, s0))
+        for fast in (False, True):
+            label = (f"triton {'one-pass' if one_pass else f'two-pass {b}'} x{w}" + (" (auto)" if config is None else "")
+                     + (" fast" if fast else ""))
+            q, s = record(label, lambda config=config, fast=fast: triton_quant_rows(h, a, prologue, config=config, fast=fast))
+            row[label].update(_compare(q, s, q0, s0))
     x = prod(h, a)
     q, s = record("inductor producer + triton none", lambda: triton_quant_rows(prod(h, a), None, "none"))
     row["inductor producer + triton none"].update(_compare(q, s, q0, s0))

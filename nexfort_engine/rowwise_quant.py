@@ -134,11 +134,14 @@ def triton_quant_rows(
     prologue: str,
     config: tuple[bool, int, int] | None = None,
     out_dtype: torch.dtype = FP8_DTYPE,
+    fast: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_quant_rows` in one Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``).
     ``config`` (one_pass, BLOCK, num_warps) overrides :func:`launch_config` (benchmarks, tests);
     ``out_dtype=float32`` stores the scaled values before the cast (tests: Triton's interpreter
-    rounds to fp8 in its own way, unlike the GPU's round-to-nearest-even conversion)."""
+    rounds to fp8 in its own way, unlike the GPU's round-to-nearest-even conversion). ``fast``:
+    approximate division in the tanh-form GELU and one reciprocal per row instead of a division per
+    value (float32 results within a few ulp; benchmarks)."""
     k = _check(h, a, prologue)
     if h.stride(-1) != 1:
         h = h.contiguous()
@@ -157,7 +160,7 @@ def triton_quant_rows(
         h, a if a is not None else h, q, scale,
         k, ka, h.stride(0), a.stride(0) if a is not None else 0, q.stride(0),
         PROLOGUE=PROLOGUES[prologue], HAS_A=a is not None, BLOCK=block, FMAX=FP8_MAX,
-        ONE_PASS=one_pass, BLOCK_A=_pow2_at_least(max(ka, 1)),
+        ONE_PASS=one_pass, BLOCK_A=_pow2_at_least(max(ka, 1)), FAST=fast,
         num_warps=warps,
     )
     return q, scale

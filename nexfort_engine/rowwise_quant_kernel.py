@@ -14,27 +14,40 @@ __all__ = ["quant_rows_kernel"]
 
 
 @triton.jit
-def _gelu(x, TANH: tl.constexpr):
+def _gelu(x, TANH: tl.constexpr, FAST: tl.constexpr):
     if TANH:
         # 0.5 x (1 + tanh(u)) == x * sigmoid(2u): one exp, no cancellation near 0
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        return x / (1.0 + tl.exp(-2.0 * u))
+        if FAST:  # the hardware's approximate division (2 ulp) instead of IEEE division's sequence
+            return tl.fdiv(x, 1.0 + tl.exp(-2.0 * u), ieee_rounding=False)
+        else:
+            return x / (1.0 + tl.exp(-2.0 * u))
     else:
         return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
 
 
 @triton.jit
-def _load(h_row, offs, mask, K, PROLOGUE: tl.constexpr):
+def _load(h_row, offs, mask, K, PROLOGUE: tl.constexpr, FAST: tl.constexpr):
     """f(h) at ``offs`` of one row in float32 (PROLOGUE: 0 none, 1 gelu_tanh, 2 gelu, 3 geglu)."""
     v = tl.load(h_row + offs, mask=mask, other=0.0).to(tl.float32)
     if PROLOGUE == 1:
-        v = _gelu(v, True)
+        v = _gelu(v, True, FAST)
     elif PROLOGUE == 2:
-        v = _gelu(v, False)
+        v = _gelu(v, False, FAST)
     elif PROLOGUE == 3:
         g = tl.load(h_row + K + offs, mask=mask, other=0.0).to(tl.float32)
-        v = v * _gelu(g, False)
+        v = v * _gelu(g, False, FAST)
     return v
+
+
+@triton.jit
+def _scaled(v, scale, FMAX: tl.constexpr, FAST: tl.constexpr):
+    """``v / scale`` clamped to e4m3's range; FAST multiplies by the row's reciprocal instead."""
+    if FAST:
+        v = v * (1.0 / scale)
+    else:
+        v = v / scale
+    return tl.clamp(v, -FMAX, FMAX)
 
 
 @triton.jit
@@ -42,7 +55,7 @@ def quant_rows_kernel(
     h_ptr, a_ptr, q_ptr, s_ptr,
     K, KA, stride_h, stride_a, stride_q,
     PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
-    ONE_PASS: tl.constexpr, BLOCK_A: tl.constexpr,
+    ONE_PASS: tl.constexpr, BLOCK_A: tl.constexpr, FAST: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     h_row = h_ptr + row * stride_h
@@ -52,7 +65,7 @@ def quant_rows_kernel(
         # the whole row in registers (BLOCK >= K, BLOCK_A >= KA): the producer runs once
         offs = tl.arange(0, BLOCK)
         mask = offs < K
-        v = _load(h_row, offs, mask, K, PROLOGUE)
+        v = _load(h_row, offs, mask, K, PROLOGUE, FAST)
         amax = tl.max(tl.abs(v), axis=0)
         if HAS_A:
             offs_a = tl.arange(0, BLOCK_A)
@@ -60,12 +73,12 @@ def quant_rows_kernel(
             va = tl.load(a_row + offs_a, mask=mask_a, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(va), axis=0))
             scale = tl.maximum(amax, 1e-12) / FMAX
-            qa = tl.clamp(va / scale, -FMAX, FMAX)
+            qa = _scaled(va, scale, FMAX, FAST)
             tl.store(q_row + offs_a, qa.to(q_ptr.dtype.element_ty), mask=mask_a)
         else:
             scale = tl.maximum(amax, 1e-12) / FMAX
         tl.store(s_ptr + row, scale)
-        q = tl.clamp(v / scale, -FMAX, FMAX)
+        q = _scaled(v, scale, FMAX, FAST)
         tl.store(q_row + KA + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         offs0 = tl.arange(0, BLOCK)
@@ -78,7 +91,7 @@ def quant_rows_kernel(
                 acc = tl.maximum(acc, tl.abs(v))
         for k0 in range(0, K, BLOCK):
             offs = k0 + offs0
-            v = _load(h_row, offs, offs < K, K, PROLOGUE)
+            v = _load(h_row, offs, offs < K, K, PROLOGUE, FAST)
             acc = tl.maximum(acc, tl.abs(v))
         scale = tl.maximum(tl.max(acc, axis=0), 1e-12) / FMAX
         tl.store(s_ptr + row, scale)
@@ -88,11 +101,11 @@ def quant_rows_kernel(
                 offs = k0 + offs0
                 mask = offs < KA
                 v = tl.load(a_row + offs, mask=mask, other=0.0).to(tl.float32)
-                q = tl.clamp(v / scale, -FMAX, FMAX)
+                q = _scaled(v, scale, FMAX, FAST)
                 tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         for k0 in range(0, K, BLOCK):
             offs = k0 + offs0
             mask = offs < K
-            v = _load(h_row, offs, mask, K, PROLOGUE)
-            q = tl.clamp(v / scale, -FMAX, FMAX)
+            v = _load(h_row, offs, mask, K, PROLOGUE, FAST)
+            q = _scaled(v, scale, FMAX, FAST)
             tl.store(q_row + KA + offs, q.to(q_ptr.dtype.element_ty), mask=mask)

@@ -2,7 +2,8 @@
 ``nexfort_engine.passes.fuse_quant``).
 
 * The Triton kernel against its torch twin on odd shapes, every prologue, with and without the
-  concatenated part, both launch forms, three input dtypes and strided inputs: run by Triton's
+  concatenated part, both launch forms, with and without ``fast`` (approximate GELU division, one
+  reciprocal per row), three input dtypes and strided inputs: run by Triton's
   interpreter in a subprocess (``TRITON_INTERPRET=1`` must be set before Triton builds the kernel).
   The kernel stores the scaled values before the e4m3 cast there (``out_dtype=float32``): the
   interpreter's own float->fp8 conversion does not round to nearest even (it gives 64 for 124.7),
@@ -66,15 +67,15 @@ INTERPRETER_CHECK = textwrap.dedent(
     rows = []
     for prologue, ka, k, m in cases:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for config in (None, (False, 32, 4), (True, 0, 4)):
+            for config, fast in ((None, False), ((False, 32, 4), False), ((True, 0, 4), False), (None, True), ((False, 32, 4), True)):
                 hk = 2 * k if prologue == "geglu" else k
                 h = torch.randn(m, hk + 5, dtype=dtype)[:, 3:3 + hk] * 3  # strided rows
                 h[0, :3] = 40.0  # a row whose maximum is a producer value
                 a = torch.randn(m, ka, dtype=dtype) * 2 if ka else None
-                q, s = triton_quant_rows(h, a, prologue, config=config, out_dtype=torch.float32)
+                q, s = triton_quant_rows(h, a, prologue, config=config, out_dtype=torch.float32, fast=fast)
                 q0, s0 = torch_scaled_rows(h.float(), a.float() if a is not None else None, prologue)
                 rows.append({
-                    "case": [prologue, ka, k, m, str(dtype), str(config)],
+                    "case": [prologue, ka, k, m, str(dtype), str(config), fast],
                     "shape_ok": list(q.shape) == [m, ka + k] and list(s.shape) == [m, 1],
                     "scale_rel": float(((s - s0).abs() / s0).max()),
                     "value_abs": float((q - q0).abs().max()),
@@ -92,7 +93,7 @@ def test_triton_kernel_matches_twin_interpreted():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 7 * 3 * 3
+    assert len(rows) == 7 * 3 * 5
     for r in rows:
         assert r["shape_ok"], r
         assert r["scale_rel"] < 1e-6, r
