@@ -130,6 +130,7 @@ def measure(name: str, iters: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -137,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch._dynamo.config.cache_size_limit = 64
     rows = []
+    wanted = [w.strip() for w in a.cases.split(",") if w.strip()]
     for name in CASES:
+        if wanted and not any(w in name for w in wanted):
+            continue
         row = measure(name, a.iters)
         sys.stdout.write(json.dumps(row) + "\n")
         sys.stdout.flush()

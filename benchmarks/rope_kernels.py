@@ -36,8 +36,8 @@ from nexfort_engine.reductions import DEFAULT_LIMIT, persistent_rows  # noqa: E4
 from nexfort_engine.rope import DEFAULT_CONFIG, torch_apply_rope, triton_rms_norm_rope  # noqa: E402
 
 HEADS, D, IMG, TXT, EPS = 24, 128, 4096, 512, 1e-6
-CONFIGS = [(8, 4, 4), (16, 1, 4), (16, 2, 4), (16, 4, 4), (16, 8, 4), (16, 24, 4), (32, 4, 4), (32, 4, 8),
-           (32, 8, 8), (8, 8, 2), (64, 2, 8)]
+CONFIGS = [(1, 32, 4), (2, 8, 4), (2, 16, 4), (2, 32, 8), (4, 4, 4), (4, 8, 8), (4, 16, 8), (8, 4, 4),
+           (8, 8, 8), (1, 8, 2), (2, 4, 2), (16, 2, 4)]
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,9 @@ import torch
 
 __all__ = ["rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_rms_norm_rope"]
 
-#: (BLOCK_L, HEADS, num_warps) when none is given
-DEFAULT_CONFIG = (16, 4, 4)
+#: (BLOCK_L, HEADS, num_warps) when none is given; HEADS is a power of two (a group of heads,
+#: masked at the end)
+DEFAULT_CONFIG = (4, 8, 4)
 
 
 def _check(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor) -> tuple[int, int, int, int]:
@@ -104,7 +105,8 @@ def triton_rms_norm_rope(
     if freqs.stride(5) != 1 or freqs.stride(4) != 2 or freqs.stride(3) != 4:
         freqs = freqs.contiguous()
     block_l, heads, warps = config or DEFAULT_CONFIG
-    heads = min(heads, h)
+    if block_l < 1 or heads < 1 or block_l & (block_l - 1) or heads & (heads - 1):
+        raise ValueError(f"rms_norm_rope: BLOCK_L and HEADS must be powers of two, got {block_l} and {heads}")
     row0 = 0
     for x, w in zip(xs, weights, strict=True):
         n = x.shape[2]

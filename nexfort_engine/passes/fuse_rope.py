@@ -73,7 +73,8 @@ def _getitem_last(node: Any, index: int) -> fx.Node | None:
 
 def _product(node: Any, index: int) -> tuple[fx.Node, fx.Node] | None:
     """(pe, x_) when ``node`` is ``pe[..., index] * x_[..., index]``."""
-    if not (_is_call(node, (operator.mul, torch.mul)) and len(node.args) == 2):
+    # (under a TorchFunctionMode such as fp8's, Dynamo records ``a * b`` as the method ``mul``)
+    if not ((_is_call(node, (operator.mul, torch.mul)) or _is_method(node, "mul")) and len(node.args) == 2):
         return None
     pe, x_ = _getitem_last(node.args[0], index), _getitem_last(node.args[1], index)
     return (pe, x_) if pe is not None and x_ is not None else None
@@ -93,7 +94,7 @@ def _rotation(out: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
         if pe1 is not first[0] or x1 is not first[1]:
             return None
         return first[0], first[1], [out, update, out.args[0], out.args[1], update.args[1], update.args[2]]
-    if _is_call(out, (operator.add, torch.add)) and len(out.args) == 2 and not out.kwargs:
+    if (_is_call(out, (operator.add, torch.add)) or _is_method(out, "add")) and len(out.args) == 2 and not out.kwargs:
         a, b = _product(out.args[0], 0), _product(out.args[1], 1)
         if a is None or b is None or a != b:
             return None
