@@ -6,7 +6,7 @@ this times
 * ``eager``: ComfyUI's ops (``QKNorm`` = ``torch.rms_norm`` per head, ``flux.math.apply_rope1``);
 * ``inductor``: the same function compiled by Inductor under dynamic shape the way nexfort
   compiles it (:func:`nexfort_engine.reductions.persistent_rows`), what the graphs ran until now;
-* ``triton BLOCK_LxHEADSxWARPS``: :func:`nexfort_engine.rope.triton_rms_norm_rope` for several
+* ``triton BLOCK_RxWARPS``: :func:`nexfort_engine.rope.triton_rms_norm_rope` for several
   launch configurations (``default`` = :data:`nexfort_engine.rope.DEFAULT_CONFIG`);
 
 and, with ``--sdpa``, each followed by the attention it feeds (cuDNN), since Inductor's kernels
@@ -36,8 +36,7 @@ from nexfort_engine.reductions import DEFAULT_LIMIT, persistent_rows  # noqa: E4
 from nexfort_engine.rope import DEFAULT_CONFIG, torch_apply_rope, triton_rms_norm_rope  # noqa: E402
 
 HEADS, D, IMG, TXT, EPS = 24, 128, 4096, 512, 1e-6
-CONFIGS = [(1, 32, 4), (2, 8, 4), (2, 16, 4), (2, 32, 8), (4, 4, 4), (4, 8, 8), (4, 16, 8), (8, 4, 4),
-           (8, 8, 8), (1, 8, 2), (2, 4, 2), (16, 2, 4)]
+CONFIGS = [(8, 1), (8, 2), (16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8)]
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -51,7 +50,7 @@ def single_eager(lin1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, pe: tor
 
 
 def single_fused(lin1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, pe: torch.Tensor,
-                 config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+                 config: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
     qkv = lin1[..., : 3 * HEADS * D]
     q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
     return triton_rms_norm_rope([q], [wq], pe, EPS, config), triton_rms_norm_rope([k], [wk], pe, EPS, config), v
@@ -66,7 +65,7 @@ def double_eager(img_qkv: torch.Tensor, txt_qkv: torch.Tensor, w: list[torch.Ten
 
 
 def double_fused(img_qkv: torch.Tensor, txt_qkv: torch.Tensor, w: list[torch.Tensor], pe: torch.Tensor,
-                 config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
+                 config: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
     iq, ik, iv = img_qkv.view(img_qkv.shape[0], img_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
     tq, tk, tv = txt_qkv.view(txt_qkv.shape[0], txt_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
     q = triton_rms_norm_rope([tq, iq], [w[2], w[0]], pe, EPS, config)

@@ -37,9 +37,10 @@ import torch
 
 __all__ = ["rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_rms_norm_rope"]
 
-#: (BLOCK_L, HEADS, num_warps) when none is given; HEADS is a power of two (a group of heads,
-#: masked at the end)
-DEFAULT_CONFIG = (4, 8, 4)
+#: (BLOCK_R rows per program, num_warps) when none is given
+DEFAULT_CONFIG = (32, 4)
+#: dtypes the kernel handles (it moves values as 16-bit halves of 32-bit words)
+KERNEL_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
 def _check(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor) -> tuple[int, int, int, int]:
@@ -93,35 +94,47 @@ def triton_rms_norm_rope(
     weights: list[torch.Tensor],
     freqs: torch.Tensor,
     eps: float,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """:func:`torch_rms_norm_rope` in one Triton launch per part (CUDA, or CPU under
-    ``TRITON_INTERPRET=1``). ``config`` (BLOCK_L, HEADS, num_warps) overrides the default
-    (benchmarks, tests)."""
+    ``TRITON_INTERPRET=1``), for bfloat16/float16 inputs. ``config`` (BLOCK_R, num_warps)
+    overrides :data:`DEFAULT_CONFIG` (benchmarks, tests)."""
     b, h, length, d = _check(xs, weights, freqs)
+    dtype = xs[0].dtype
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"rms_norm_rope: the Triton kernel takes {', '.join(map(str, KERNEL_DTYPES))}, got {dtype}")
     if d & (d - 1):
         raise ValueError(f"rms_norm_rope: the Triton kernel needs a power-of-two head size, got {d}")
-    out = torch.empty((b, h, length, d), device=xs[0].device, dtype=xs[0].dtype)
+    block_r, warps = config or DEFAULT_CONFIG
+    if block_r < 1 or block_r & (block_r - 1):
+        raise ValueError(f"rms_norm_rope: BLOCK_R must be a power of two, got {block_r}")
+    out = torch.empty((b, h, length, d), device=xs[0].device, dtype=dtype)
     if freqs.stride(5) != 1 or freqs.stride(4) != 2 or freqs.stride(3) != 4:
         freqs = freqs.contiguous()
-    block_l, heads, warps = config or DEFAULT_CONFIG
-    if block_l < 1 or heads < 1 or block_l & (block_l - 1) or heads & (heads - 1):
-        raise ValueError(f"rms_norm_rope: BLOCK_L and HEADS must be powers of two, got {block_l} and {heads}")
+    words_out = out.view(torch.int32)
     row0 = 0
     for x, w in zip(xs, weights, strict=True):
         n = x.shape[2]
         if n and b and h:
-            if x.stride(3) != 1:
-                x = x.contiguous()
-            _kernel()[(triton_cdiv(n, block_l), triton_cdiv(h, heads), b)](
-                x, w.contiguous(), freqs, out,
+            words = _words(x)
+            _kernel()[(triton_cdiv(n * h, block_r), b)](
+                words, w.contiguous(), freqs, words_out,
                 n, h, length, row0,
-                x.stride(0), x.stride(1), x.stride(2), freqs.stride(0) if freqs.shape[0] > 1 else 0, freqs.stride(2),
+                words.stride(0), words.stride(1), words.stride(2),
+                freqs.stride(0) if freqs.shape[0] > 1 else 0, freqs.stride(2),
                 float(eps),
-                D=d, BLOCK_L=block_l, HEADS=heads, num_warps=warps,
+                HALF=d // 2, BLOCK_R=block_r, DTYPE=KERNEL_DTYPES[dtype], num_warps=warps,
             )
         row0 += n
     return out
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ([B, H, L, D], 16-bit) as int32 words of (even, odd) pairs, without a copy where its
+    strides and offset allow it."""
+    if x.stride(3) != 1 or any(s % 2 for s in x.stride()[:3]) or x.storage_offset() % 2:
+        x = x.contiguous()
+    return x.view(torch.int32)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -139,10 +152,10 @@ def triton_available() -> bool:
 @torch.library.custom_op("nexfort::rms_norm_rope", mutates_args=())
 def rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, eps: float) -> torch.Tensor:
     """Queries or keys normalised per head and rotated (module docstring): a contiguous
-    ``[B, H, L, D]`` tensor. The Triton kernel on CUDA (power-of-two head sizes), the torch twin
-    elsewhere."""
+    ``[B, H, L, D]`` tensor. The Triton kernel on CUDA (bfloat16/float16, power-of-two head
+    sizes), the torch twin elsewhere."""
     d = xs[0].shape[-1] if xs else 0
-    if xs and xs[0].is_cuda and d and not d & (d - 1) and triton_available():
+    if xs and xs[0].is_cuda and xs[0].dtype in KERNEL_DTYPES and d and not d & (d - 1) and triton_available():
         return triton_rms_norm_rope(xs, weights, freqs, eps)
     return torch_rms_norm_rope(xs, weights, freqs, eps)
 

@@ -1,16 +1,19 @@
 """The Triton kernel behind :func:`nexfort_engine.rope.triton_rms_norm_rope` (imported only when it
 first runs; see that module for what it computes and why).
 
-One program owns a ``[BLOCK_L, HEADS, D]`` tile: ``BLOCK_L`` sequence positions of one batch entry
-times ``HEADS`` heads. It loads the tile (any row strides) and the same tile at the pair partner
-of each column (``col ^ 1``, from the same cache lines), normalises each row in float32, rounds to
-the model dtype as ``rms_norm`` returns it, and rotates each pair as
-``out[i] = c_self[i] * y[i] + c_other[i] * y[i ^ 1]``, reading the two coefficients straight from
-the ``[D/2, 2, 2]`` matrices of each position (loaded once per position, broadcast over the heads).
-No reshapes or splits of register tiles: those made Triton move the tiles through shared memory
-(a first version ran at about 1 TB/s on an H200). The rows are stored contiguously in
-``[B, H, L, D]`` order, the layout attention kernels read. Under ``TRITON_INTERPRET=1`` (set before
-this module is imported) it runs on CPU tensors: the tests compare it with the torch twin that way.
+The 16-bit input and output are read and written as 32-bit words, each one (even, odd) pair of a
+row: a row of ``D`` values is ``D/2`` words, loaded and stored contiguously, and the pair a
+rotation mixes is the two halves of one word (unpacked with shifts and bit casts). So there is no
+reshaping or splitting of register tiles, which made Triton move tiles through shared memory
+(earlier versions of this kernel ran at 0.8-1.4 TB/s on an H200, run76/run77).
+
+One program owns ``BLOCK_R`` rows of one batch entry, in (position, head) order: consecutive rows
+are the heads of one position, adjacent in memory for a fused QKV output, and they share that
+position's rotation matrices (``[D/2, 2, 2]`` float32, loaded per row from L1). Each row is
+normalised in float32, rounded to the model dtype as ``rms_norm`` returns it, rotated in float32
+and stored in ``[B, H, L, D]`` order, the layout attention kernels read. Under
+``TRITON_INTERPRET=1`` (set before this module is imported) it runs on CPU tensors: the tests
+compare it with the torch twin that way.
 """
 
 from __future__ import annotations
@@ -22,39 +25,62 @@ __all__ = ["rms_norm_rope_kernel"]
 
 
 @triton.jit
+def _unpack(v, HALF_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """float32 value of one 16-bit half of each 32-bit word (DTYPE 0: bfloat16, 1: float16)."""
+    bits = ((v >> HALF_BITS) & 0xFFFF).to(tl.uint16)
+    if DTYPE == 0:
+        return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """``x`` rounded to the model dtype (as float32)."""
+    if DTYPE == 0:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return x.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _bits(x, DTYPE: tl.constexpr):
+    """The 16 bits of ``x`` in the model dtype, widened to uint32."""
+    if DTYPE == 0:
+        return x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    else:
+        return x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
 def rms_norm_rope_kernel(
     x_ptr, w_ptr, f_ptr, o_ptr,
     L, H, L_OUT, ROW0,
     sxb, sxh, sxl, sfb, sfl,
     eps,
-    D: tl.constexpr, BLOCK_L: tl.constexpr, HEADS: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    pid_l = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    ls = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
-    hs = pid_h * HEADS + tl.arange(0, HEADS)
-    ls64 = ls.to(tl.int64)
-    hs64 = hs.to(tl.int64)
-    cols = tl.arange(0, D)
-    partner = cols ^ 1
-    mask = (ls < L)[:, None, None] & (hs < H)[None, :, None]
-    rows = b * sxb + ls64[:, None, None] * sxl + hs64[None, :, None] * sxh
-    x = tl.load(x_ptr + rows + cols[None, None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + rows + partner[None, None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=2) / D + eps)[:, :, None]
-    w = tl.load(w_ptr + cols).to(tl.float32)[None, None, :]
-    wp = tl.load(w_ptr + partner).to(tl.float32)[None, None, :]
-    dtype = o_ptr.dtype.element_ty
+    """``x_ptr``/``o_ptr``: int32 views (one word per pair); strides in words; ``L`` rows of
+    this part at ``ROW0`` in the output's (and the rotation table's) ``L_OUT`` positions."""
+    b = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < L * H
+    pos = rows // H
+    head = rows % H
+    pairs = tl.arange(0, HALF)
+    mask = rmask[:, None]
+    v = tl.load(x_ptr + (b * sxb + pos * sxl + head * sxh)[:, None] + pairs[None, :], mask=mask, other=0)
+    x0 = _unpack(v, 0, DTYPE)  # little endian: the even element is the low half
+    x1 = _unpack(v, 16, DTYPE)
+    rstd = tl.rsqrt(tl.sum(x0 * x0 + x1 * x1, axis=1) / (2 * HALF) + eps)[:, None]
+    w0 = tl.load(w_ptr + 2 * pairs).to(tl.float32)[None, :]
+    w1 = tl.load(w_ptr + 2 * pairs + 1).to(tl.float32)[None, :]
     # rms_norm's output in the model dtype, then the rotation in float32 (as eager runs it)
-    y = (x * rstd * w).to(dtype).to(tl.float32)
-    yp = (xp * rstd * wp).to(dtype).to(tl.float32)
-    # out[2d + j] = f[d, j, 0] y[2d] + f[d, j, 1] y[2d + 1]: c_self = f[d, j, j], c_other = f[d, j, 1 - j]
-    f_rows = f_ptr + b * sfb + (ROW0 + ls64)[:, None] * sfl
-    lmask = (ls < L)[:, None]
-    half, j = cols // 2, cols % 2
-    c_self = tl.load(f_rows + (half * 4 + 3 * j)[None, :], mask=lmask, other=0.0)[:, None, :]
-    c_other = tl.load(f_rows + (half * 4 + 1 + j)[None, :], mask=lmask, other=0.0)[:, None, :]
-    o = c_self * y + c_other * yp
-    out_rows = ((b * H + hs64)[None, :, None] * L_OUT + ROW0 + ls64[:, None, None]) * D
-    tl.store(o_ptr + out_rows + cols[None, None, :], o.to(dtype), mask=mask)
+    y0 = _round(x0 * rstd * w0, DTYPE)
+    y1 = _round(x1 * rstd * w1, DTYPE)
+    f = f_ptr + (b * sfb + (ROW0 + pos) * sfl)[:, None] + 4 * pairs[None, :]
+    o0 = tl.load(f, mask=mask, other=0.0) * y0 + tl.load(f + 1, mask=mask, other=0.0) * y1
+    o1 = tl.load(f + 2, mask=mask, other=0.0) * y0 + tl.load(f + 3, mask=mask, other=0.0) * y1
+    word = _bits(o0, DTYPE) | (_bits(o1, DTYPE) << 16)
+    out = ((b * H + head) * L_OUT + ROW0 + pos) * HALF
+    tl.store(o_ptr + out[:, None] + pairs[None, :], word.to(tl.int32, bitcast=True), mask=mask)

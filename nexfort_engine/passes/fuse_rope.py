@@ -14,7 +14,8 @@ match is replaced by one call of ``nexfort::rms_norm_rope`` (:mod:`nexfort_engin
 norms' inputs, weights, ``pe`` and ``eps``.
 
 Only matches whose ``pe`` is float32 ``[B or 1, 1, L, D/2, 2, 2]``, whose norms keep the model
-dtype and whose head size is a power of two are rewritten; anything else keeps its ops.
+dtype (bfloat16 or float16) and whose head size is a power of two are rewritten; anything else
+keeps its ops.
 
 Why: see :mod:`nexfort_engine.rope` (Inductor's kernels for this path re-read the float32 rotation
 matrices per head and row; Flux spent about 6 ms of each O3 step on an H200 there).
@@ -45,7 +46,9 @@ __all__ = ["Match", "find_matches", "rewrite_ropes"]
 log = logging.getLogger(__name__)
 
 _RMS_NORM = tuple(f for f in (getattr(torch, "rms_norm", None), getattr(F, "rms_norm", None)) if f is not None)
-_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: 16-bit models only: the kernel moves 16-bit pairs as 32-bit words, and in a float32 model the op
+#: would run its eager twin where Inductor compiles the same ops
+_MODEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass

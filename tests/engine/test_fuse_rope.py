@@ -3,12 +3,12 @@
 
 * The Triton kernel against its torch twin, run by Triton's interpreter in a subprocess
   (``TRITON_INTERPRET=1`` must be set before Triton builds the kernel): odd sequence lengths, one
-  and two parts (Flux's double blocks concatenate text and image), head counts the program's head
-  group does not divide, strided inputs (views of a fused QKV output), rotation matrices shared
-  by the batch or per batch entry and not contiguous. float16 and float32 only: the interpreter
-  converts float32 to bfloat16 by truncation, not round-to-nearest-even as the GPU and torch do
-  (so about half the values would differ by one step); bfloat16 is checked on the GPU test.
-  Tolerances: float16 equal but for values on a rounding boundary (one step), float32 to 1e-5.
+  and two parts (Flux's double blocks concatenate text and image), row blocks that cut through a
+  position's heads, strided inputs (views of a fused QKV output), rotation matrices shared by the
+  batch or per batch entry and not contiguous; float16 and bfloat16. Tolerances: float16 equal
+  but for values on a rounding boundary (one step); bfloat16 within two steps, because the
+  interpreter converts float32 to bfloat16 by truncation, not round-to-nearest-even as the GPU
+  and torch do (the GPU test checks bfloat16 properly).
 * The twin against ComfyUI's own ``QKNorm`` + ``flux.math.apply_rope`` (equal on CPU).
 * The graph rewrite on Dynamo graphs of ComfyUI's own Flux blocks (tiny, CPU): two rotations per
   block found and replaced, the old ops gone, the output unchanged; the older ``mul + mul + add``
@@ -59,8 +59,8 @@ INTERPRETER_CHECK = textwrap.dedent(
     ]
     rows = []
     for b, h, d, lens, fb in cases:
-        for dtype in (torch.float16, torch.float32):
-            for config in (None, (4, 2, 1), (1, 4, 2), (8, 8, 4)):
+        for dtype in (torch.float16, torch.bfloat16):
+            for config in (None, (4, 1), (1, 2), (64, 4)):
                 qkvs = [torch.randn(b, n, 3, h, d, dtype=dtype) * 2 for n in lens]
                 xs = [t.permute(2, 0, 3, 1, 4)[1] for t in qkvs]  # the keys: a strided view
                 ws = [(torch.randn(d) * 0.5 + 1).to(dtype) for _ in lens]
@@ -68,11 +68,14 @@ INTERPRETER_CHECK = textwrap.dedent(
                 out = triton_rms_norm_rope(xs, ws, freqs, 1e-6, config=config)
                 ref = torch_rms_norm_rope(xs, ws, freqs, 1e-6)
                 err = (out.float() - ref.float()).abs()
-                step = ref.float().abs() * (2 ** -10 if dtype == torch.float16 else 2 ** -23) + 1e-6
+                # one rounding step of the dtype (the interpreter truncates to bfloat16: two)
+                # relative to the row's largest value too: the rotation mixes two rounded values
+                ulp = 2 ** -10 if dtype == torch.float16 else 2 ** -7
+                row_max = ref.float().abs().amax(dim=-1, keepdim=True) if ref.numel() else ref.float()
+                step = (ref.float().abs() + row_max) * ulp + 1e-3 * ulp
                 rows.append({
                     "case": [b, h, d, lens, fb, str(dtype), str(config)],
                     "shape_ok": list(out.shape) == list(ref.shape) and out.is_contiguous() and out.dtype == dtype,
-                    "max_abs": float(err.max()) if err.numel() else 0.0,
                     "within_step": bool((err <= 2 * step).all()),
                     "differ": float((err > 0).float().mean()) if err.numel() else 0.0,
                 })
@@ -94,10 +97,8 @@ def test_triton_kernel_matches_twin_interpreted():
     for r in rows:
         assert r["shape_ok"], r
         assert r["within_step"], r
-        if "float16" in r["case"][5]:
+        if r["case"][5] == "torch.float16":
             assert r["differ"] < 0.02, r  # rounding-boundary values only
-        else:
-            assert r["max_abs"] < 1e-5, r
 
 
 def test_twin_is_comfyui_qknorm_and_rope(comfy_inproc):
@@ -205,15 +206,19 @@ class _Rotations(torch.nn.Module):
 
 def test_rewrite_older_form_and_leaves_others(cache):
     torch.manual_seed(0)
-    model = _Rotations()
-    qkv = torch.randn(2, 6, 3, 2, 16)
+    model = _Rotations().to(torch.bfloat16)
+    qkv = torch.randn(2, 6, 3, 2, 16, dtype=torch.bfloat16)
     pe, pe_heads = rotations(1, 6, 16), rotations(1, 6, 16).expand(1, 2, 6, 8, 2, 2).contiguous()
-    out, ref, found, graphs = _rewritten(model, (qkv, pe, pe_heads, torch.randn(2, 2, 6, 16)), {})
+    out, ref, found, graphs = _rewritten(model, (qkv, pe, pe_heads, torch.randn(2, 2, 6, 16, dtype=torch.bfloat16)), {})
     assert found and set(found) == {2}
     targets = _targets(graphs[-1])
     assert targets.count(ROPE_OP) == 2 and targets.count(torch.rms_norm) == 3  # kept: kn, v's, the full one
-    # the op rotates with addcmul (0.3.75's form), this model with mul + add: float32 rounding apart
-    assert tiny_models.rel_l2(out, ref) < 1e-6
+    # the op rotates with addcmul (0.3.75's form), this model with mul + add: float32 rounding
+    # apart, then rounded to bfloat16
+    assert tiny_models.rel_l2(out, ref) < 1e-3
+    # float32 models keep their ops (the op would run its eager twin where Inductor compiles them)
+    _, _, found32, _ = _rewritten(_Rotations(), (qkv.float(), pe, pe_heads, torch.randn(2, 2, 6, 16)), {})
+    assert set(found32) == {0}
 
 
 def test_regional_fp8_flux_blocks_are_rewritten(comfy_inproc, cache, fresh_stats, monkeypatch):
@@ -222,12 +227,15 @@ def test_regional_fp8_flux_blocks_are_rewritten(comfy_inproc, cache, fresh_stats
     monkeypatch.delenv("NEXFORT_CACHE_DIR", raising=False)
     torch._dynamo.reset()
     mp = tiny_models.tiny_flux(depth=4, depth_single=4)
-    dm = mp.model.diffusion_model
+    dm = mp.model.diffusion_model.to(torch.bfloat16)  # the op takes 16-bit models
     cm = nexfort_engine.compile(dm, {"backend": "aot_eager", "mode": "O1", "fp8": True, "fused_rope": True},
                                 label="rope-regional-fp8")
-    compiled = tiny_models.with_diffusion_model(mp, cm)
+    spec = mp.model.nexfort_tiny
+    gen = torch.Generator().manual_seed(0)
+    x, t, ctx = torch.randn(1, 16, 8, 8, generator=gen), torch.rand(1, generator=gen), torch.randn(1, 7, 48, generator=gen)
+    extra = {k: v.to(torch.bfloat16) for k, v in spec.call_extra(1, 8, 8).items()}
     with torch.no_grad():
-        tiny_models.sample(compiled, 64, 64, 1, 2, 1.0, 77)
+        cm(x.bfloat16(), t, ctx.bfloat16(), transformer_options={}, **extra)
     rec = fresh_stats()["models"][cm.label]
     assert rec["regions"] == ["double_blocks[DoubleStreamBlockx4]", "single_blocks[SingleStreamBlockx4]"]
     assert rec["rope_fused"] == 4 and rec["fallbacks"] == 0  # queries and keys of each block class
@@ -283,14 +291,14 @@ def test_inductor_compiles_the_fused_op(fresh_stats, nx_cache, cache):
     Inductor's passes, dynamic token counts reuse the graph, and the counter reaches the Cache
     Manager's report."""
     torch.manual_seed(0)
-    model = _QKRope()
+    model = _QKRope().to(torch.bfloat16)
     cm = nexfort_engine.compile(model, {"fused_rope": True, "mode": "max-optimize:cache-all"},
                                 cache_dir=nx_cache, label="fused-rope")
     dynamo_counters["graph_break"].clear()
     for tokens in (7, 13):
-        x = torch.randn(2, tokens, 32)
+        x = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
         pe = rotations(1, tokens, 16)
-        assert tiny_models.rel_l2(cm(x, pe), model(x, pe)) < 1e-5
+        assert tiny_models.rel_l2(cm(x, pe), model(x, pe)) < 2e-2  # bf16 roundings of two paths
     assert not dynamo_counters["graph_break"]
     rec = fresh_stats()["models"][cm.label]
     assert rec["fallbacks"] == 0 and rec["compiles"] == 1 and rec["recompiles"] == 0
