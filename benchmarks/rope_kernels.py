@@ -36,7 +36,7 @@ from nexfort_engine.reductions import DEFAULT_LIMIT, persistent_rows  # noqa: E4
 from nexfort_engine.rope import DEFAULT_CONFIG, torch_apply_rope, triton_rms_norm_rope  # noqa: E402
 
 HEADS, D, IMG, TXT, EPS = 24, 128, 4096, 512, 1e-6
-CONFIGS = [(8, 1), (8, 2), (16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8)]
+CONFIGS = [(8, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8), (256, 16), (512, 16)]
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
