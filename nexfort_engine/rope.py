@@ -9,18 +9,21 @@ What: :func:`rms_norm_rope` computes what Flux-style blocks (ComfyUI's ``flux.la
 in float32, returned in the model dtype. ``freqs`` is ComfyUI's ``pe``: ``[B or 1, 1, L, D/2, 2,
 2]`` float32. The parts are Flux's double-block text and image streams (one part in single
 blocks); each ``x_i`` may be any strided ``[B, H, L_i, D]`` view with a contiguous last dim (the
-heads of a fused QKV projection's output). The result is a new contiguous ``[B, H, L, D]`` tensor.
+heads of a fused QKV projection's output). The result is a new ``[B, H, L, D]`` tensor stored in
+``[B, L, H, D]`` memory order (a permuted view): rows are read and written in the order they lie
+in memory, and cuDNN's attention reads that layout as fast as a contiguous one (BENCHMARKS.md,
+eleventh session).
 
 The custom op ``nexfort::rms_norm_rope`` runs :func:`triton_rms_norm_rope` on CUDA tensors and the
 twin :func:`torch_rms_norm_rope` elsewhere; :mod:`nexfort_engine.passes.fuse_rope` puts it into
 compiled graphs in place of the ops ComfyUI's code traces to.
 
-Why: Inductor's kernels for this path read the rotation matrices (1 KiB of float32 per position,
-4x the bf16 row they rotate) once per head and row. An H200 profile of Flux O3 (BENCHMARKS.md,
-run68) showed the single blocks' query/key kernel at 81 us per call (38 calls, 3.1 ms per step,
-about 1.4 TB/s), and the double blocks' normalise/concatenate/rotate path at about 2.8 ms per step
-over eight kernels. Here each program loads the matrices of its positions once for several heads,
-and the double blocks' concatenation is the output's layout, not a copy.
+Why: attention wants queries and keys as ``[B, H, L, D]``, while the QKV projection writes them
+as ``[B, L, 3, H, D]``. The transposition is the cost: on an H200 a plain ``.contiguous()`` of
+Flux's q and k took 69-76 us (1.6 TB/s, run78), and Inductor's fused kernel for the whole path
+took as long (81 us per single block in the model, run68; the double blocks' path about 147 us
+over eight kernels). Rows written in the order they are read stream at memory speed, and the
+double blocks' concatenation is the output's layout, not a copy.
 
 Numerics: the row's mean square, ``rsqrt`` and the weight product are float32, rounded once to
 the model dtype (as torch's fused CUDA ``rms_norm`` and Inductor do; the CPU composite rounds
@@ -78,7 +81,14 @@ def torch_rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], fre
     _check(xs, weights, freqs)
     ys = [torch.rms_norm(x, (x.shape[-1],), w, eps) for x, w in zip(xs, weights, strict=True)]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
-    return torch_apply_rope(y, freqs).contiguous()
+    return _heads_view(torch_apply_rope(y, freqs))
+
+
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ([B, H, L, D]) copied into ``[B, L, H, D]`` memory, viewed as ``[B, H, L, D]``: the
+    op's output layout, on every device."""
+    out = t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).permute(0, 2, 1, 3)
+    return out.copy_(t)
 
 
 def _kernel() -> Any:
@@ -108,10 +118,10 @@ def triton_rms_norm_rope(
     block_r, warps = config or DEFAULT_CONFIG
     if block_r < 1 or block_r & (block_r - 1):
         raise ValueError(f"rms_norm_rope: BLOCK_R must be a power of two, got {block_r}")
-    out = torch.empty((b, h, length, d), device=xs[0].device, dtype=dtype)
+    storage = torch.empty((b, length, h, d), device=xs[0].device, dtype=dtype)
     if freqs.stride(5) != 1 or freqs.stride(4) != 2 or freqs.stride(3) != 4:
         freqs = freqs.contiguous()
-    words_out = out.view(torch.int32)
+    words_out = storage.view(torch.int32)
     row0 = 0
     for x, w in zip(xs, weights, strict=True):
         n = x.shape[2]
@@ -126,7 +136,7 @@ def triton_rms_norm_rope(
                 HALF=d // 2, BLOCK_R=block_r, DTYPE=KERNEL_DTYPES[dtype], num_warps=warps,
             )
         row0 += n
-    return out
+    return storage.permute(0, 2, 1, 3)
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:
@@ -163,4 +173,4 @@ def rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: to
 @rms_norm_rope.register_fake
 def _(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, eps: float) -> torch.Tensor:
     b, h, length, d = _check(xs, weights, freqs)
-    return xs[0].new_empty((b, h, length, d))
+    return xs[0].new_empty((b, length, h, d)).permute(0, 2, 1, 3)

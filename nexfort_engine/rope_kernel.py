@@ -11,7 +11,9 @@ One program owns ``BLOCK_R`` rows of one batch entry, in (position, head) order:
 are the heads of one position, adjacent in memory for a fused QKV output, and they share that
 position's rotation matrices (``[D/2, 2, 2]`` float32, loaded per row from L1). Each row is
 normalised in float32, rounded to the model dtype as ``rms_norm`` returns it, rotated in float32
-and stored in ``[B, H, L, D]`` order, the layout attention kernels read. Under
+and stored in ``[B, L, H, D]`` memory order, so a program reads and writes contiguous runs (the
+heads of consecutive positions); the caller hands the result on as a ``[B, H, L, D]`` view, which
+cuDNN's attention reads at the same speed as a contiguous one. Under
 ``TRITON_INTERPRET=1`` (set before this module is imported) it runs on CPU tensors: the tests
 compare it with the torch twin that way.
 """
@@ -82,5 +84,5 @@ def rms_norm_rope_kernel(
     o0 = tl.load(f, mask=mask, other=0.0) * y0 + tl.load(f + 1, mask=mask, other=0.0) * y1
     o1 = tl.load(f + 2, mask=mask, other=0.0) * y0 + tl.load(f + 3, mask=mask, other=0.0) * y1
     word = _bits(o0, DTYPE) | (_bits(o1, DTYPE) << 16)
-    out = ((b * H + head) * L_OUT + ROW0 + pos) * HALF
+    out = ((b * L_OUT + ROW0 + pos) * H + head) * HALF  # [B, L, H, D] storage: rows stream out
     tl.store(o_ptr + out[:, None] + pairs[None, :], word.to(tl.int32, bitcast=True), mask=mask)
