@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -241,6 +242,24 @@ def test_regional_fp8_flux_blocks_are_rewritten(comfy_inproc, cache, fresh_stats
     rec = fresh_stats()["models"][cm.label]
     assert rec["regions"] == ["double_blocks[DoubleStreamBlockx4]", "single_blocks[SingleStreamBlockx4]"]
     assert rec["rope_fused"] == 4 and rec["fallbacks"] == 0  # queries and keys of each block class
+    torch._dynamo.reset()
+
+
+def test_sweep_with_the_fused_op_never_recompiles(comfy_inproc, cache, fresh_stats, monkeypatch):
+    """The op's fake checks relate symbolic sizes (the rotation table's length to the parts'):
+    resolutions and prompt lengths must still share one graph per block class (issue 6's sweep)."""
+    monkeypatch.delenv("NEXFORT_CACHE_DIR", raising=False)
+    torch._dynamo.reset()
+    mp = tiny_models.tiny_flux(depth=4, depth_single=4)
+    dm = mp.model.diffusion_model.to(torch.bfloat16)
+    dm.dtype = torch.bfloat16  # ComfyUI casts the sampler's inputs to this
+    cm = nexfort_engine.compile(dm, {"backend": "aot_eager", "mode": "O1", "fused_rope": True}, label="rope-sweep")
+    compiled = tiny_models.with_diffusion_model(mp, cm)
+    with torch.no_grad():
+        for (h, w), ctx in itertools.product(tiny_models.RESOLUTIONS["flux"], (77, 154)):
+            assert torch.isfinite(tiny_models.sample(compiled, h, w, 1, 2, 1.0, ctx)).all()
+    rec = fresh_stats()["models"][cm.label]
+    assert rec["rope_fused"] == 4 and rec["compiles"] == 2 and rec["recompiles"] == 0, rec["recompile_reasons"]
     torch._dynamo.reset()
 
 
