@@ -532,7 +532,7 @@ def sweep(args: argparse.Namespace, spec: Any, runner: Runner, target: Any, grap
                 new_reasons = list(after.get("recompile_reasons") or [])[len(before.get("recompile_reasons") or []):]
                 if new_reasons:  # why a combination compiled again (guard failures, as counted)
                     rows[-1]["recompile_reasons"] = [str(r)[:2000] for r in new_reasons]
-                print(f"sweep {h}x{w} steps={steps} text={text_len}: first {first['e2e_s']:.2f}s, "
+                print(f"sweep {w}x{h} steps={steps} text={text_len}: first {first['e2e_s']:.2f}s, "
                       f"{again['it_s'] or 0:.2f} it/s, new compiles {rows[-1]['new_compiles']}", flush=True)
 
 
