@@ -10,11 +10,13 @@ set-up, the first step's launch latency or the copy of the result.
 from __future__ import annotations
 
 import bisect
+import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -460,3 +462,20 @@ def cudagraph_state() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - diagnostics only, internals differ between torch versions
         out["error"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def run_kernel_cases(cases: Iterable[str], measure: Callable[[str], dict[str, Any]], output_json: Path | None) -> list[dict[str, Any]]:
+    """A kernel microbenchmark's cases: each ``measure(case)`` row printed as one JSON line as it
+    finishes, then all of them written to ``output_json`` (with the device and torch version)."""
+    torch._dynamo.config.cache_size_limit = 64  # one compiled variant per case and configuration
+    rows = []
+    for case in cases:
+        row = measure(case)
+        sys.stdout.write(json.dumps(row) + "\n")
+        sys.stdout.flush()
+        rows.append(row)
+    if output_json:
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": rows}
+        output_json.parent.mkdir(parents=True, exist_ok=True)
+        output_json.write_text(json.dumps(result, indent=1))
+    return rows

@@ -21,7 +21,6 @@ inputs read once, fp8 values and scales written once.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -136,20 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.stderr.write("quant_rows_kernels needs a CUDA device\n")
         return 2
-    torch._dynamo.config.cache_size_limit = 64
-    rows = []
     wanted = [w.strip() for w in a.cases.split(",") if w.strip()]
-    for name in CASES:
-        if wanted and not any(w in name for w in wanted):
-            continue
-        row = measure(name, a.iters)
-        sys.stdout.write(json.dumps(row) + "\n")
-        sys.stdout.flush()
-        rows.append(row)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": rows}
-    if a.output_json:
-        a.output_json.parent.mkdir(parents=True, exist_ok=True)
-        a.output_json.write_text(json.dumps(result, indent=1))
+    names = [n for n in CASES if not wanted or any(w in n for w in wanted)]
+    metrics.run_kernel_cases(names, lambda name: measure(name, a.iters), a.output_json)
     return 0
 
 

@@ -22,7 +22,6 @@ once, plus the rotation matrices once. The single block's q/k are views of ``lin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -168,17 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.stderr.write("rope_kernels needs a CUDA device\n")
         return 2
-    torch._dynamo.config.cache_size_limit = 64
-    rows = []
-    for case in ("single", "double"):
-        row = measure(case, a.iters, a.sdpa, a.code_dir, sweep=not a.no_sweep)
-        sys.stdout.write(json.dumps(row) + "\n")
-        sys.stdout.flush()
-        rows.append(row)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": rows}
-    if a.output_json:
-        a.output_json.parent.mkdir(parents=True, exist_ok=True)
-        a.output_json.write_text(json.dumps(result, indent=1))
+    metrics.run_kernel_cases(("single", "double"),
+                             lambda case: measure(case, a.iters, a.sdpa, a.code_dir, sweep=not a.no_sweep), a.output_json)
     return 0
 
 
