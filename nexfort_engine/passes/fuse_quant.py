@@ -73,14 +73,19 @@ def _val(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def _static(n: Any) -> int | None:
+    """``n`` as an int, or None when it is symbolic (or not a size)."""
+    try:
+        return int(n)
+    except (TypeError, ValueError):
+        return None
+
+
 def _static_width(node: Any) -> int | None:
     v = _val(node)
     if v is None or v.dim() < 1:
         return None
-    try:
-        return int(v.shape[-1])
-    except (TypeError, ValueError):  # symbolic
-        return None
+    return _static(v.shape[-1])
 
 
 @dataclass

@@ -38,17 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .. import rope  # noqa: F401 - registers nexfort::rms_norm_rope
-from .fuse_quant import _arg, _erase_dead, _fake_meta, _is_call, _is_method, _val
+from .. import rope  # registers nexfort::rms_norm_rope
+from .fuse_quant import _arg, _erase_dead, _fake_meta, _is_call, _is_method, _static, _val
 
 __all__ = ["Match", "find_matches", "rewrite_ropes"]
 
 log = logging.getLogger(__name__)
 
 _RMS_NORM = tuple(f for f in (getattr(torch, "rms_norm", None), getattr(F, "rms_norm", None)) if f is not None)
-#: 16-bit models only: the kernel moves 16-bit pairs as 32-bit words, and in a float32 model the op
-#: would run its eager twin where Inductor compiles the same ops
-_MODEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -140,14 +137,11 @@ def _parts(y: fx.Node, dtype: torch.dtype) -> tuple[list[fx.Node], list[fx.Node]
         tensors, dim = _arg(y, 0, "tensors"), _arg(y, 1, "dim", 0)
         if not isinstance(tensors, (list, tuple)) or not tensors or dim not in (2, -2):
             return None
-        found = [_norm(t, dtype) for t in tensors]
-        if any(f is None for f in found):
+        norms = [f for t in tensors if (f := _norm(t, dtype)) is not None]
+        eps = {f[2] for f in norms}
+        if len(norms) != len(tensors) or len(eps) != 1:
             return None
-        eps = {f[2] for f in found if f is not None}
-        if len(eps) != 1:
-            return None
-        return ([f[0] for f in found if f], [f[1] for f in found if f], eps.pop(),
-                [y, *(n for f in found if f for n in f[3])])
+        return [f[0] for f in norms], [f[1] for f in norms], eps.pop(), [y, *(n for f in norms for n in f[3])]
     found1 = _norm(y, dtype)
     if found1 is None:
         return None
@@ -159,13 +153,6 @@ def _int(a: Any) -> int | None:
     if isinstance(a, fx.Node):
         a = a.meta.get("example_value", a.meta.get("val"))
     return None if isinstance(a, bool) else _static(a)
-
-
-def _static(n: Any) -> int | None:
-    try:
-        return int(n)
-    except (TypeError, ValueError):
-        return None
 
 
 def _match(result: fx.Node) -> Match | None:
@@ -191,7 +178,9 @@ def _match(result: fx.Node) -> Match | None:
         return None
     assert yv is not None and rv is not None and pv is not None and xv is not None and tv is not None
     dtype = yv.dtype
-    if dtype not in _MODEL_DTYPES or rv.dtype != dtype or tv.dtype != torch.float32 or yv.dim() != 4:
+    # 16-bit models only (the kernel's dtypes): in a float32 model the op would run its eager twin
+    # where Inductor compiles the same ops
+    if dtype not in rope.KERNEL_DTYPES or rv.dtype != dtype or tv.dtype != torch.float32 or yv.dim() != 4:
         return None
     d = _static(yv.shape[-1])
     if d is None or d < 2 or d & (d - 1):
@@ -200,9 +189,9 @@ def _match(result: fx.Node) -> Match | None:
         return None
     if pv.dtype != torch.float32 or pv.dim() != 6 or _static(pv.shape[1]) != 1 or _static(pv.shape[3]) != d // 2:
         return None
-    # (sizes compared as expressions: comparing symbolic sizes would add guards)
     if tuple(_static(s) for s in pv.shape[4:]) != (2, 2):
         return None
+    # (symbolic sizes compared as expressions: comparing them as SymInts would add guards)
     if _static(pv.shape[0]) != 1 and str(pv.shape[0]) != str(yv.shape[0]):
         return None
     if rv.dim() != 4 or _static(rv.shape[-1]) != d:
