@@ -40,7 +40,8 @@ import torch
 
 from .rowwise_quant import triton_available
 
-__all__ = ["rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_available", "triton_rms_norm_rope"]
+__all__ = ["kernel_takes", "rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_available",
+           "triton_rms_norm_rope"]
 
 #: (BLOCK_R rows per program, num_warps) when none is given. In Flux O3 on an H200 the kernel took
 #: 24.5 us per call with it (152 calls per step, run79/run80); standalone timings of the kernel
@@ -48,6 +49,11 @@ __all__ = ["rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_a
 DEFAULT_CONFIG = (32, 4)
 #: dtypes the kernel handles (it moves values as 16-bit halves of 32-bit words)
 KERNEL_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+
+def kernel_takes(dtype: torch.dtype, head_size: int) -> bool:
+    """Whether the Triton kernel handles this dtype and head size (16-bit, a power of two >= 2)."""
+    return dtype in KERNEL_DTYPES and head_size >= 2 and not head_size & (head_size - 1)
 
 
 def _check(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor) -> tuple[int, int, int, int]:
@@ -115,10 +121,9 @@ def triton_rms_norm_rope(
     overrides :data:`DEFAULT_CONFIG` (benchmarks, tests)."""
     b, h, length, d = _check(xs, weights, freqs)
     dtype = xs[0].dtype
-    if dtype not in KERNEL_DTYPES:
-        raise ValueError(f"rms_norm_rope: the Triton kernel takes {', '.join(map(str, KERNEL_DTYPES))}, got {dtype}")
-    if d & (d - 1):
-        raise ValueError(f"rms_norm_rope: the Triton kernel needs a power-of-two head size, got {d}")
+    if not kernel_takes(dtype, d):
+        raise ValueError(f"rms_norm_rope: the Triton kernel takes {', '.join(map(str, KERNEL_DTYPES))} "
+                         f"with a power-of-two head size, got {dtype} and {d}")
     block_r, warps = config or DEFAULT_CONFIG
     if block_r < 1 or block_r & (block_r - 1):
         raise ValueError(f"rms_norm_rope: BLOCK_R must be a power of two, got {block_r}")
@@ -161,7 +166,7 @@ def rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: to
     ``[B, H, L, D]`` tensor. The Triton kernel on CUDA (bfloat16/float16, power-of-two head
     sizes), the torch twin elsewhere."""
     d = xs[0].shape[-1] if xs else 0
-    if xs and xs[0].is_cuda and xs[0].dtype in KERNEL_DTYPES and d and not d & (d - 1) and triton_available():
+    if xs and xs[0].is_cuda and kernel_takes(xs[0].dtype, d) and triton_available():
         return triton_rms_norm_rope(xs, weights, freqs, eps)
     return torch_rms_norm_rope(xs, weights, freqs, eps)
 

@@ -178,12 +178,12 @@ def _match(result: fx.Node) -> Match | None:
         return None
     assert yv is not None and rv is not None and pv is not None and xv is not None and tv is not None
     dtype = yv.dtype
-    # 16-bit models only (the kernel's dtypes): in a float32 model the op would run its eager twin
-    # where Inductor compiles the same ops
-    if dtype not in rope.KERNEL_DTYPES or rv.dtype != dtype or tv.dtype != torch.float32 or yv.dim() != 4:
+    if rv.dtype != dtype or tv.dtype != torch.float32 or yv.dim() != 4:
         return None
+    # what the kernel takes only (16-bit, power-of-two heads): elsewhere the op would run its eager
+    # twin where Inductor compiles the same ops
     d = _static(yv.shape[-1])
-    if d is None or d < 2 or d & (d - 1):
+    if d is None or not rope.kernel_takes(dtype, d):
         return None
     if xv.dim() != 6 or _static(xv.shape[-3]) != d // 2 or tuple(_static(s) for s in xv.shape[-2:]) != (1, 2):
         return None
