@@ -38,26 +38,32 @@ HEADS, D, IMG, TXT, EPS = 24, 128, 4096, 512, 1e-6
 CONFIGS = [(8, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8), (256, 16), (512, 16)]
 
 
+def _heads(qkv: torch.Tensor) -> torch.Tensor:
+    """q, k, v as strided ``[B, H, L, D]`` views of a fused projection's ``[B, L, 3 * H * D]`` output
+    (as ComfyUI's Flux blocks take them)."""
+    return qkv.view(qkv.shape[0], qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.rms_norm(x, (x.shape[-1],), w, EPS)
 
 
 def single_eager(lin1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
     qkv, _mlp = torch.split(lin1, [3 * HEADS * D, lin1.shape[-1] - 3 * HEADS * D], dim=-1)
-    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    q, k, v = _heads(qkv)
     return torch_apply_rope(_rms(q, wq), pe), torch_apply_rope(_rms(k, wk), pe), v
 
 
 def single_fused(lin1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, pe: torch.Tensor,
                  config: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
     qkv = lin1[..., : 3 * HEADS * D]
-    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    q, k, v = _heads(qkv)
     return triton_rms_norm_rope([q], [wq], pe, EPS, config), triton_rms_norm_rope([k], [wk], pe, EPS, config), v
 
 
 def double_eager(img_qkv: torch.Tensor, txt_qkv: torch.Tensor, w: list[torch.Tensor], pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    iq, ik, iv = img_qkv.view(img_qkv.shape[0], img_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
-    tq, tk, tv = txt_qkv.view(txt_qkv.shape[0], txt_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    iq, ik, iv = _heads(img_qkv)
+    tq, tk, tv = _heads(txt_qkv)
     q = torch.cat((_rms(tq, w[2]), _rms(iq, w[0])), dim=2)
     k = torch.cat((_rms(tk, w[3]), _rms(ik, w[1])), dim=2)
     return torch_apply_rope(q, pe), torch_apply_rope(k, pe), torch.cat((tv, iv), dim=2)
@@ -65,8 +71,8 @@ def double_eager(img_qkv: torch.Tensor, txt_qkv: torch.Tensor, w: list[torch.Ten
 
 def double_fused(img_qkv: torch.Tensor, txt_qkv: torch.Tensor, w: list[torch.Tensor], pe: torch.Tensor,
                  config: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
-    iq, ik, iv = img_qkv.view(img_qkv.shape[0], img_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
-    tq, tk, tv = txt_qkv.view(txt_qkv.shape[0], txt_qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    iq, ik, iv = _heads(img_qkv)
+    tq, tk, tv = _heads(txt_qkv)
     q = triton_rms_norm_rope([tq, iq], [w[2], w[0]], pe, EPS, config)
     k = triton_rms_norm_rope([tk, ik], [w[3], w[1]], pe, EPS, config)
     return q, k, torch.cat((tv, iv), dim=2)
@@ -101,7 +107,7 @@ def _compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> di
 def _qk_views(case: str, args: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The strided q and k views the kernels read (the image stream's, in the double case)."""
     qkv = args[0][..., : 3 * HEADS * D] if case == "single" else args[0]
-    q, k, _ = qkv.view(qkv.shape[0], qkv.shape[1], 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+    q, k, _ = _heads(qkv)
     return q, k
 
 
