@@ -6,9 +6,11 @@ single-block ``cat(attention, gelu(mlp))`` rows, at 1024² sizes) this times
 * ``inductor``: ``quantize_rowwise(producer(...))`` compiled by Inductor the way nexfort compiles
   it (:func:`nexfort_engine.reductions.persistent_rows`), what the fp8 graphs ran until now;
 * ``inductor producer only``: the bf16 producer alone (what a bf16 model pays there);
-* ``triton BLOCKxWARPS``: :func:`nexfort_engine.rowwise_quant.triton_quant_rows` with the producer
-  fused, for several launch configurations (``auto`` = :func:`launch_config`), each also with
-  ``fast`` (approximate division in the GELU, one reciprocal per row);
+* ``triton ...``: :func:`nexfort_engine.rowwise_quant.triton_quant_rows` with the producer fused,
+  for several launch configurations (``auto`` = :func:`launch_config`; one-pass rows held in
+  ``chunks x width`` registers), ``exact``, ``fast`` (approximate division in the GELU, one
+  reciprocal per row) and, for the tanh GELU, ``hw-tanh`` (``fast`` with the GPU's
+  ``tanh.approx.f32``);
 * ``inductor producer + triton none``: the producer materialised in bf16, then the kernel;
 
 and compares each kernel's fp8 output with Inductor's (fraction of differing bytes, largest
@@ -33,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import metrics  # noqa: E402
 from nexfort_engine.fp8 import quantize_rowwise  # noqa: E402
 from nexfort_engine.reductions import DEFAULT_LIMIT, persistent_rows  # noqa: E402
-from nexfort_engine.rowwise_quant import launch_config, triton_quant_rows  # noqa: E402
+from nexfort_engine.rowwise_quant import chunk_width, launch_config, triton_quant_rows  # noqa: E402
 
-#: (one_pass, BLOCK, num_warps); a one-pass BLOCK is raised to the row's padded width
-CONFIGS = [(False, 1024, 4), (False, 2048, 4), (False, 2048, 8), (False, 4096, 8),
-           (True, 0, 4), (True, 0, 8), (True, 0, 16), (True, 0, 32)]
+#: (one_pass, BLOCK, num_warps); a one-pass BLOCK is the chunk width (raised until at most
+#: MAX_CHUNKS chunks hold the row; 65536: the whole row in one chunk, the kernel before chunks)
+CONFIGS = [(False, 4096, 8)] + [(True, b, w) for b in (1024, 2048, 4096, 65536) for w in (4, 8, 16, 32)]
 
 
 def _geglu(h: torch.Tensor) -> torch.Tensor:
@@ -112,12 +114,19 @@ def measure(name: str, iters: int) -> dict[str, Any]:
     prod = _inductor(producer)
     record("inductor producer only", lambda: prod(h, a))
     auto = launch_config(k_out - ka, ka)
+    forms = [("exact", False, False), ("fast", True, False)] + ([("hw-tanh", True, True)] if prologue == "gelu_tanh" else [])
     for config in [None, *CONFIGS]:
         one_pass, b, w = config or auto
-        for fast in (False, True):
-            label = (f"triton {'one-pass' if one_pass else f'two-pass {b}'} x{w}" + (" (auto)" if config is None else "")
-                     + (" fast" if fast else ""))
-            q, s = record(label, lambda config=config, fast=fast: triton_quant_rows(h, a, prologue, config=config, fast=fast))
+        kh = k_out - ka
+        shape = f"{-(-kh // chunk_width(kh, b))}x{chunk_width(kh, b)}" if one_pass else f"two-pass {b}"
+        for form, fast, hw in forms:
+            if config is not None and form == "exact":
+                continue
+            label = f"triton {shape} x{w}" + (" (auto)" if config is None else "") + f" {form}"
+            if label in row:  # a requested chunk that resolves to one measured already
+                continue
+            q, s = record(label, lambda config=config, fast=fast, hw=hw: triton_quant_rows(
+                h, a, prologue, config=config, fast=fast, hw_tanh=hw))
             row[label].update(_compare(q, s, q0, s0))
     x = prod(h, a)
     q, s = record("inductor producer + triton none", lambda: triton_quant_rows(prod(h, a), None, "none"))

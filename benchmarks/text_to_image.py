@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="re-run the compile in a second process on the same cache dir (warm-up with warm cache)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="compile caches (Inductor/Triton/nexfort); default: a fresh temp dir (cold compile)")
+    p.add_argument("--quant-rows-form", choices=["exact", "fast", "hw-tanh"], default=None,
+                   help="the form nexfort::quant_rows runs on the GPU (default: the engine's; A/B comparisons)")
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--output-markdown", type=Path, default=None)
     p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
@@ -363,6 +365,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks import metrics, models
 
+    if args.quant_rows_form:
+        from nexfort_engine import rowwise_quant
+
+        rowwise_quant.gpu_form = args.quant_rows_form
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny on CPU)")
@@ -398,9 +404,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "cache_dir_was_empty": cache_was_empty,
     }
     if args.compiler == "nexfort":
-        from nexfort_engine import parse_options
+        from nexfort_engine import parse_options, rowwise_quant
 
         result["compiler_config_resolved"] = parse_options(args.compiler_config).to_dict()
+        result["quant_rows_form"] = rowwise_quant.gpu_form
 
     t0 = time.perf_counter()
     mp = models.build(spec, device, dtype, manual_cast, seed=args.seed)

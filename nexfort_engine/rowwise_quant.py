@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .fp8 import FP8_DTYPE, scale_rowwise
 
-__all__ = ["PROLOGUES", "quant_rows", "torch_quant_rows", "torch_scaled_rows", "triton_available", "triton_quant_rows"]
+__all__ = ["GPU_FORMS", "MAX_CHUNKS", "PROLOGUES", "chunk_width", "launch_config", "quant_rows", "torch_quant_rows", "torch_scaled_rows", "triton_available", "triton_quant_rows"]
 
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 #: prologue name -> the kernel's constexpr code
@@ -114,18 +114,35 @@ def _pow2_at_least(n: int) -> int:
 #: rows padded to at most this many elements (a row and, with ``a``, its copied part) are held in
 #: registers; wider rows take two passes in 4096-element steps
 ONE_PASS_MAX = 32768
+#: a one-pass row is held in at most this many chunks of a power-of-two width (the kernel unrolls
+#: them), so a 12288-wide row is 6 x 2048 elements instead of 16384 with a quarter of the lanes
+#: computing padding
+MAX_CHUNKS = 8
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_width(width: int, block: int = 0) -> int:
+    """The power-of-two chunk a one-pass row of ``width`` elements is held in: ``block`` (a
+    requested chunk) or 1024, raised until at most :data:`MAX_CHUNKS` chunks cover the row, and
+    never wider than the row's padded width."""
+    return min(max(block or 1024, _pow2_at_least(_cdiv(max(width, 1), MAX_CHUNKS))), _pow2_at_least(max(width, 1)))
 
 
 def launch_config(width: int, a_width: int = 0) -> tuple[bool, int, int]:
     """(one_pass, BLOCK, num_warps) for rows of ``width`` producer elements after ``a_width``
-    copied ones. Measured on an H200 (benchmarks/quant_rows_kernels.py, tenth session), one pass
-    with about 16 elements per thread was the fastest or within 6 % of it at every measured width:
-    SDXL's 2560/5120-wide GEGLU rows 58.9 / 31.6 us (Inductor 72.5 / 42.9), Flux's 12288-wide GELU
-    rows 74.3 us (best: 70.0 with 8 warps; two passes 87.6; Inductor 173.3) and its 3072 + 12288
-    single-block rows 93.7 us (two passes 97.8; Inductor 243.6)."""
-    total = _pow2_at_least(max(width, 1)) + (_pow2_at_least(a_width) if a_width else 0)
-    if total <= ONE_PASS_MAX:
-        return True, _pow2_at_least(max(width, 1)), max(4, min(32, _pow2_at_least(total // 512)))
+    copied ones; a one-pass BLOCK is the chunk width (:func:`chunk_width`). Measured on an H200
+    (benchmarks/quant_rows_kernels.py, tenth session), one pass with about 16 elements per thread
+    was the fastest or within 6 % of it at every measured width: SDXL's 2560/5120-wide GEGLU rows
+    58.9 / 31.6 us (Inductor 72.5 / 42.9), Flux's 12288-wide GELU rows 74.3 us (best: 70.0 with 8
+    warps; two passes 87.6; Inductor 173.3) and its 3072 + 12288 single-block rows 93.7 us (two
+    passes 97.8; Inductor 243.6)."""
+    chunk = chunk_width(width)
+    held = chunk * _cdiv(max(width, 1), chunk) + (_pow2_at_least(a_width) if a_width else 0)
+    if held <= ONE_PASS_MAX:
+        return True, chunk, max(4, min(16, _pow2_at_least(held // 2048)))
     return False, 4096, 8
 
 
@@ -136,14 +153,19 @@ def triton_quant_rows(
     config: tuple[bool, int, int] | None = None,
     out_dtype: torch.dtype = FP8_DTYPE,
     fast: bool = False,
+    hw_tanh: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_quant_rows` in one Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``).
-    ``config`` (one_pass, BLOCK, num_warps) overrides :func:`launch_config` (benchmarks, tests);
-    ``out_dtype=float32`` stores the scaled values before the cast (tests: Triton's interpreter
-    rounds to fp8 in its own way, unlike the GPU's round-to-nearest-even conversion). ``fast``:
-    approximate division in the tanh-form GELU and one reciprocal per row instead of a division per
-    value (float32 results within a few ulp; benchmarks)."""
+    ``config`` (one_pass, BLOCK, num_warps) overrides :func:`launch_config` (benchmarks, tests; a
+    one-pass BLOCK is a chunk width, 0 = automatic); ``out_dtype=float32`` stores the scaled
+    values before the cast (tests: Triton's interpreter rounds to fp8 in its own way, unlike the
+    GPU's round-to-nearest-even conversion). ``fast``: approximate division in the tanh-form GELU
+    and one reciprocal per row instead of a division per value (float32 results within a few ulp).
+    ``hw_tanh``: the tanh-form GELU through the GPU's ``tanh.approx.f32`` (relative error about
+    2^-11 in the tanh; CUDA only: Triton's interpreter has no inline assembly)."""
     k = _check(h, a, prologue)
+    if hw_tanh and not h.is_cuda:
+        raise ValueError("quant_rows: hw_tanh needs a CUDA tensor (inline PTX)")
     if h.stride(-1) != 1:
         h = h.contiguous()
     if a is not None and a.stride(-1) != 1:
@@ -155,27 +177,36 @@ def triton_quant_rows(
     if m == 0:
         return q, scale
     one_pass, block, warps = config or launch_config(k, ka)
-    if one_pass:  # the whole row: BLOCK at least its padded width
-        block = max(block, _pow2_at_least(k))
+    chunks = 1
+    if one_pass:  # the whole row in at most MAX_CHUNKS chunks of BLOCK
+        block = chunk_width(k, block)
+        chunks = _cdiv(max(k, 1), block)
     _kernel()[(m,)](
         h, a if a is not None else h, q, scale,
         k, ka, h.stride(0), a.stride(0) if a is not None else 0, q.stride(0),
         PROLOGUE=PROLOGUES[prologue], HAS_A=a is not None, BLOCK=block, FMAX=FP8_MAX,
-        ONE_PASS=one_pass, BLOCK_A=_pow2_at_least(max(ka, 1)), FAST=fast,
+        ONE_PASS=one_pass, BLOCK_A=_pow2_at_least(max(ka, 1)), FAST=fast, NCH=chunks,
+        HW_TANH=hw_tanh and prologue == "gelu_tanh",
         num_warps=warps,
     )
     return q, scale
 
 
+#: the kernel's forms, by name: (``fast``, ``hw_tanh``) of :func:`triton_quant_rows`
+GPU_FORMS: dict[str, tuple[bool, bool]] = {"exact": (False, False), "fast": (True, False), "hw-tanh": (True, True)}
+#: the form the op runs on CUDA tensors (read on each call; the benchmark's ``--quant-rows-form``
+#: sets it to compare forms in one process). ``hw-tanh``: see :func:`triton_quant_rows`
+gpu_form = "hw-tanh"
+
+
 @torch.library.custom_op("nexfort::quant_rows", mutates_args=())
 def quant_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rowwise(cat([a, f(h)], -1))`` with ``f`` named by ``prologue`` (module docstring):
-    (e4m3 [M, KA + K], float32 scales [M, 1]). The Triton kernel on CUDA, the torch twin elsewhere."""
+    (e4m3 [M, KA + K], float32 scales [M, 1]). The Triton kernel on CUDA (in the form
+    :data:`gpu_form` names), the torch twin elsewhere."""
     if h.is_cuda and triton_available():
-        # fast: approximate division in the tanh GELU and one reciprocal per row, 4-5 us less per
-        # Flux row block on an H200 (71.1 vs 75.3 us GELU rows, 89.3 vs 93.9 us single-block rows;
-        # the same e4m3 bytes in run77's comparison with Inductor's quantization)
-        return triton_quant_rows(h, a, prologue, fast=True)
+        fast, hw_tanh = GPU_FORMS[gpu_form]
+        return triton_quant_rows(h, a, prologue, fast=fast, hw_tanh=hw_tanh)
     return torch_quant_rows(h, a, prologue)
 
 

@@ -1,6 +1,7 @@
 """The Triton kernel behind :func:`nexfort_engine.rowwise_quant.triton_quant_rows` (imported only
 when it first runs; see that module for what it computes and why). One program per row: either
-the whole row held in registers (``ONE_PASS``) or two passes over it in ``BLOCK`` steps, the row's
+the whole row held in registers (``ONE_PASS``: ``NCH`` chunks of ``BLOCK`` elements, so a row of
+3 x 4096 elements computes no padding lanes) or two passes over it in ``BLOCK`` steps, the row's
 absolute maximum first, then the scaled e4m3 values. Under
 ``TRITON_INTERPRET=1`` (set before this module is imported) it runs on CPU tensors: the tests
 compare it with the torch twin that way."""
@@ -14,11 +15,20 @@ __all__ = ["quant_rows_kernel"]
 
 
 @triton.jit
-def _gelu(x, TANH: tl.constexpr, FAST: tl.constexpr):
+def _hw_tanh(x):
+    """The GPU's ``tanh.approx.f32`` (one MUFU instruction, relative error about 2^-11; not in
+    Triton's interpreter)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _gelu(x, TANH: tl.constexpr, FAST: tl.constexpr, HW_TANH: tl.constexpr = False):
     if TANH:
         # 0.5 x (1 + tanh(u)) == x * sigmoid(2u): one exp, no cancellation near 0
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        if FAST:  # the hardware's approximate division (2 ulp) instead of IEEE division's sequence
+        if HW_TANH:  # one MUFU instruction instead of an exponential and a division
+            return 0.5 * x * (1.0 + _hw_tanh(u))
+        elif FAST:  # the hardware's approximate division (2 ulp) instead of IEEE division's sequence
             return tl.fdiv(x, 1.0 + tl.exp(-2.0 * u), ieee_rounding=False)
         else:
             return x / (1.0 + tl.exp(-2.0 * u))
@@ -27,11 +37,11 @@ def _gelu(x, TANH: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _load(h_row, offs, mask, K, PROLOGUE: tl.constexpr, FAST: tl.constexpr):
+def _load(h_row, offs, mask, K, PROLOGUE: tl.constexpr, FAST: tl.constexpr, HW_TANH: tl.constexpr = False):
     """f(h) at ``offs`` of one row in float32 (PROLOGUE: 0 none, 1 gelu_tanh, 2 gelu, 3 geglu)."""
     v = tl.load(h_row + offs, mask=mask, other=0.0).to(tl.float32)
     if PROLOGUE == 1:
-        v = _gelu(v, True, FAST)
+        v = _gelu(v, True, FAST, HW_TANH)
     elif PROLOGUE == 2:
         v = _gelu(v, False, FAST)
     elif PROLOGUE == 3:
@@ -51,22 +61,57 @@ def _scaled(v, scale, FMAX: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _chunk(h_row, c: tl.constexpr, K, PROLOGUE: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+           HW_TANH: tl.constexpr):
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    return _load(h_row, offs, offs < K, K, PROLOGUE, FAST, HW_TANH)
+
+
+@triton.jit
+def _put(q_row, v, c: tl.constexpr, K, scale, BLOCK: tl.constexpr, FMAX: tl.constexpr, FAST: tl.constexpr):
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    tl.store(q_row + offs, _scaled(v, scale, FMAX, FAST).to(q_row.dtype.element_ty), mask=offs < K)
+
+
+@triton.jit
 def quant_rows_kernel(
     h_ptr, a_ptr, q_ptr, s_ptr,
     K, KA, stride_h, stride_a, stride_q,
     PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
-    ONE_PASS: tl.constexpr, BLOCK_A: tl.constexpr, FAST: tl.constexpr = False,
+    ONE_PASS: tl.constexpr, BLOCK_A: tl.constexpr, FAST: tl.constexpr = False, NCH: tl.constexpr = 1,  # 1..8: rowwise_quant.MAX_CHUNKS
+    HW_TANH: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     h_row = h_ptr + row * stride_h
     a_row = a_ptr + row * stride_a
     q_row = q_ptr + row * stride_q
     if ONE_PASS:
-        # the whole row in registers (BLOCK >= K, BLOCK_A >= KA): the producer runs once
-        offs = tl.arange(0, BLOCK)
-        mask = offs < K
-        v = _load(h_row, offs, mask, K, PROLOGUE, FAST)
-        amax = tl.max(tl.abs(v), axis=0)
+        # the whole row in registers, NCH chunks of BLOCK (NCH * BLOCK >= K, BLOCK_A >= KA): the
+        # producer runs once per value and no more than one chunk's worth of padding lanes
+        v0 = _chunk(h_row, 0, K, PROLOGUE, BLOCK, FAST, HW_TANH)
+        acc = tl.abs(v0)
+        if NCH > 1:
+            v1 = _chunk(h_row, 1, K, PROLOGUE, BLOCK, FAST, HW_TANH)
+            acc = tl.maximum(acc, tl.abs(v1))
+        if NCH > 2:
+            v2 = _chunk(h_row, 2, K, PROLOGUE, BLOCK, FAST, HW_TANH)
+            acc = tl.maximum(acc, tl.abs(v2))
+        if NCH > 3:
+            v3 = _chunk(h_row, 3, K, PROLOGUE, BLOCK, FAST, HW_TANH)
+            acc = tl.maximum(acc, tl.abs(v3))
+        if NCH > 4:
+            v4 = _chunk(h_row, 4, K, PROLOGUE, BLOCK, FAST, HW_TANH)
+            acc = tl.maximum(acc, tl.abs(v4))
+        if NCH > 5:
+            v5 = _chunk(h_row, 5, K, PROLOGUE, BLOCK, FAST, HW_TANH)
+            acc = tl.maximum(acc, tl.abs(v5))
+        if NCH > 6:
+            v6 = _chunk(h_row, 6, K, PROLOGUE, BLOCK, FAST, HW_TANH)
+            acc = tl.maximum(acc, tl.abs(v6))
+        if NCH > 7:
+            v7 = _chunk(h_row, 7, K, PROLOGUE, BLOCK, FAST, HW_TANH)
+            acc = tl.maximum(acc, tl.abs(v7))
+        amax = tl.max(acc, axis=0)
         if HAS_A:
             offs_a = tl.arange(0, BLOCK_A)
             mask_a = offs_a < KA
@@ -78,8 +123,22 @@ def quant_rows_kernel(
         else:
             scale = tl.maximum(amax, 1e-12) / FMAX
         tl.store(s_ptr + row, scale)
-        q = _scaled(v, scale, FMAX, FAST)
-        tl.store(q_row + KA + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        qh = q_row + KA
+        _put(qh, v0, 0, K, scale, BLOCK, FMAX, FAST)
+        if NCH > 1:
+            _put(qh, v1, 1, K, scale, BLOCK, FMAX, FAST)
+        if NCH > 2:
+            _put(qh, v2, 2, K, scale, BLOCK, FMAX, FAST)
+        if NCH > 3:
+            _put(qh, v3, 3, K, scale, BLOCK, FMAX, FAST)
+        if NCH > 4:
+            _put(qh, v4, 4, K, scale, BLOCK, FMAX, FAST)
+        if NCH > 5:
+            _put(qh, v5, 5, K, scale, BLOCK, FMAX, FAST)
+        if NCH > 6:
+            _put(qh, v6, 6, K, scale, BLOCK, FMAX, FAST)
+        if NCH > 7:
+            _put(qh, v7, 7, K, scale, BLOCK, FMAX, FAST)
     else:
         offs0 = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -91,7 +150,7 @@ def quant_rows_kernel(
                 acc = tl.maximum(acc, tl.abs(v))
         for k0 in range(0, K, BLOCK):
             offs = k0 + offs0
-            v = _load(h_row, offs, offs < K, K, PROLOGUE, FAST)
+            v = _load(h_row, offs, offs < K, K, PROLOGUE, FAST, HW_TANH)
             acc = tl.maximum(acc, tl.abs(v))
         scale = tl.maximum(tl.max(acc, axis=0), 1e-12) / FMAX
         tl.store(s_ptr + row, scale)
@@ -106,6 +165,6 @@ def quant_rows_kernel(
         for k0 in range(0, K, BLOCK):
             offs = k0 + offs0
             mask = offs < K
-            v = _load(h_row, offs, mask, K, PROLOGUE, FAST)
+            v = _load(h_row, offs, mask, K, PROLOGUE, FAST, HW_TANH)
             q = _scaled(v, scale, FMAX, FAST)
             tl.store(q_row + KA + offs, q.to(q_ptr.dtype.element_ty), mask=mask)

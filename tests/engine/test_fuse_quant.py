@@ -39,7 +39,9 @@ from nexfort_engine import settings as S
 from nexfort_engine.fp8 import Fp8LinearMode, fp8_supported
 from nexfort_engine.passes import fuse_quant
 from nexfort_engine.rowwise_quant import (
+    MAX_CHUNKS,
     ONE_PASS_MAX,
+    chunk_width,
     launch_config,
     quant_rows,
     torch_quant_rows,
@@ -67,7 +69,8 @@ INTERPRETER_CHECK = textwrap.dedent(
     rows = []
     for prologue, ka, k, m in cases:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for config, fast in ((None, False), ((False, 32, 4), False), ((True, 0, 4), False), (None, True), ((False, 32, 4), True)):
+            for config, fast in ((None, False), ((False, 32, 4), False), ((True, 0, 4), False), (None, True),
+                                 ((False, 32, 4), True), ((True, 16, 4), True), ((True, 4096, 4), False)):
                 hk = 2 * k if prologue == "geglu" else k
                 h = torch.randn(m, hk + 5, dtype=dtype)[:, 3:3 + hk] * 3  # strided rows
                 h[0, :3] = 40.0  # a row whose maximum is a producer value
@@ -93,7 +96,7 @@ def test_triton_kernel_matches_twin_interpreted():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 7 * 3 * 5
+    assert len(rows) == 7 * 3 * 7
     for r in rows:
         assert r["shape_ok"], r
         assert r["scale_rel"] < 1e-6, r
@@ -102,14 +105,19 @@ def test_triton_kernel_matches_twin_interpreted():
 
 
 def test_launch_config():
-    for width, a_width in [(16, 0), (2560, 0), (5120, 0), (12288, 0), (12288, 3072), (16384, 16384), (40000, 0)]:
+    for width, a_width in [(16, 0), (300, 0), (2560, 0), (5120, 0), (12288, 0), (12288, 3072), (16384, 16384), (40000, 0)]:
         one_pass, block, warps = launch_config(width, a_width)
         assert warps in (4, 8, 16, 32)
         assert block & (block - 1) == 0
         if one_pass:
-            assert block >= width and block + (block if a_width else 0) <= 2 * ONE_PASS_MAX
+            chunks = -(-width // block)
+            assert 1 <= chunks <= MAX_CHUNKS and block * chunks <= ONE_PASS_MAX
+            assert block * (chunks - 1) < width  # no chunk of padding only
         else:
             assert width > ONE_PASS_MAX // 2 or a_width
+    # rows of 3 x 4096 or 5 x 1024 elements compute no padding lanes
+    assert chunk_width(12288) * 6 == 12288 and chunk_width(5120) * 5 == 5120 and chunk_width(2560) * 5 == 2560
+    assert chunk_width(12288, 4096) == 4096 and chunk_width(12288, 16) == 2048 and chunk_width(16) == 16
 
 
 def test_twin_is_quantize_rowwise_of_the_producer():
@@ -309,3 +317,28 @@ def test_kernel_matches_twin_on_gpu(prologue, ka, k, m):
     step = (torch.maximum(mine.abs(), q1.float().abs()) * 2**-3).clamp_min(2**-9)
     assert bool(((mine - q1.float()).abs() <= step + mine.abs() * 2**-7).all())
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (fp8_supported("cuda") and triton_available()), reason="needs an fp8 GPU (sm89+) and Triton")
+@pytest.mark.parametrize("ka, k, m", [(0, 12288, 33), (3072, 12288, 17), (0, 300, 9)])
+def test_hw_tanh_form_on_gpu(ka, k, m):
+    """The ``hw-tanh`` form (the GPU's ``tanh.approx.f32``, relative error about 2^-11): each
+    dequantized value within one e4m3 step of the exact float32 producer's, plus what the tanh's
+    error can move the GELU (0.5 |x| 2^-10); the scales within 2^-11."""
+    from nexfort_engine.rowwise_quant import triton_quant_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    a = torch.randn(m, ka, device="cuda", dtype=torch.bfloat16, generator=gen) if ka else None
+    q, s = triton_quant_rows(h, a, "gelu_tanh", fast=True, hw_tanh=True)
+    ref, s0 = torch_scaled_rows(h.float(), a.float() if a is not None else None, "gelu_tanh")
+    assert float(((s - s0).abs() / s0).max()) < 2**-11
+    mine, exact = q.float() * s, ref * s0
+    step = torch.maximum(exact.abs() * 2**-3, s0 * 2**-9)
+    slack = torch.cat([torch.zeros(m, ka, device="cuda"), 0.5 * h.float().abs() * 2**-10], dim=1)
+    assert bool(((mine - exact).abs() <= step + slack).all())
+    differ = (q.view(torch.uint8) != ref.to(torch.float8_e4m3fn).view(torch.uint8)).float().mean().item()
+    print(f"hw-tanh: {differ:.4%} of the e4m3 bytes differ from the exact producer's")
+    with pytest.raises(ValueError, match="CUDA"):
+        triton_quant_rows(h.cpu(), None, "gelu_tanh", hw_tanh=True)
