@@ -126,23 +126,26 @@ def _cdiv(a: int, b: int) -> int:
 
 def chunk_width(width: int, block: int = 0) -> int:
     """The power-of-two chunk a one-pass row of ``width`` elements is held in: ``block`` (a
-    requested chunk) or 1024, raised until at most :data:`MAX_CHUNKS` chunks cover the row, and
-    never wider than the row's padded width."""
-    return min(max(block or 1024, _pow2_at_least(_cdiv(max(width, 1), MAX_CHUNKS))), _pow2_at_least(max(width, 1)))
+    requested chunk; default 4096 for rows of 8192 or more, 1024 below), raised until at most
+    :data:`MAX_CHUNKS` chunks cover the row, and never wider than the row's padded width."""
+    block = block or (4096 if width >= 8192 else 1024)
+    return min(max(block, _pow2_at_least(_cdiv(max(width, 1), MAX_CHUNKS))), _pow2_at_least(max(width, 1)))
 
 
 def launch_config(width: int, a_width: int = 0) -> tuple[bool, int, int]:
     """(one_pass, BLOCK, num_warps) for rows of ``width`` producer elements after ``a_width``
-    copied ones; a one-pass BLOCK is the chunk width (:func:`chunk_width`). Measured on an H200
-    (benchmarks/quant_rows_kernels.py, tenth session), one pass with about 16 elements per thread
-    was the fastest or within 6 % of it at every measured width: SDXL's 2560/5120-wide GEGLU rows
-    58.9 / 31.6 us (Inductor 72.5 / 42.9), Flux's 12288-wide GELU rows 74.3 us (best: 70.0 with 8
-    warps; two passes 87.6; Inductor 173.3) and its 3072 + 12288 single-block rows 93.7 us (two
-    passes 97.8; Inductor 243.6)."""
+    copied ones; a one-pass BLOCK is the chunk width (:func:`chunk_width`), with 8 warps for
+    4096-wide chunks (16 values per thread per chunk) and 4 below. Measured on an H200
+    (benchmarks/quant_rows_kernels.py, run84, ``hw-tanh`` form): Flux's 12288-wide GELU rows
+    3 x 4096 with 8 warps 44.5 us (6 x 2048: 48.5-53.1; the whole row as one 16384-wide block, the
+    kernel before chunks: 53.9-62.9; Inductor 174.1); its 3072 + 12288 single-block rows 64.9 us
+    (whole row 78.2-92.3; Inductor 247.6); SDXL's 2560-wide GEGLU rows 3 x 1024 with 4 warps
+    45.2 us (one 4096 chunk 56.4; Inductor 73.5). Two passes (rows over :data:`ONE_PASS_MAX`):
+    61.0 / 73.6 us on those Flux rows."""
     chunk = chunk_width(width)
     held = chunk * _cdiv(max(width, 1), chunk) + (_pow2_at_least(a_width) if a_width else 0)
     if held <= ONE_PASS_MAX:
-        return True, chunk, max(4, min(16, _pow2_at_least(held // 2048)))
+        return True, chunk, 8 if chunk >= 4096 else 4
     return False, 4096, 8
 
 

@@ -116,8 +116,10 @@ def test_launch_config():
         else:
             assert width > ONE_PASS_MAX // 2 or a_width
     # rows of 3 x 4096 or 5 x 1024 elements compute no padding lanes
-    assert chunk_width(12288) * 6 == 12288 and chunk_width(5120) * 5 == 5120 and chunk_width(2560) * 5 == 2560
-    assert chunk_width(12288, 4096) == 4096 and chunk_width(12288, 16) == 2048 and chunk_width(16) == 16
+    assert chunk_width(12288) * 3 == 12288 and chunk_width(5120) * 5 == 5120 and chunk_width(2560) == 1024
+    assert chunk_width(12288, 2048) == 2048 and chunk_width(12288, 16) == 2048 and chunk_width(16) == 16
+    assert chunk_width(40000) == 8192  # at most MAX_CHUNKS chunks
+    assert launch_config(12288) == (True, 4096, 8) and launch_config(2560) == (True, 1024, 4)
 
 
 def test_twin_is_quantize_rowwise_of_the_producer():
@@ -299,11 +301,14 @@ def test_inductor_compiles_the_fused_op(fresh_stats, nx_cache, cache, monkeypatc
 @pytest.mark.parametrize("prologue, ka, k, m", [("gelu_tanh", 0, 12288, 33), ("gelu_tanh", 3072, 12288, 17),
                                                 ("geglu", 0, 2560, 65), ("gelu", 0, 40000, 5), ("none", 48, 80, 3)])
 def test_kernel_matches_twin_on_gpu(prologue, ka, k, m):
+    from nexfort_engine.rowwise_quant import triton_quant_rows
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     hk = 2 * k if prologue == "geglu" else k
     h = torch.randn(m, hk, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
     a = torch.randn(m, ka, device="cuda", dtype=torch.bfloat16, generator=gen) if ka else None
-    q, s = quant_rows(h, a, prologue)
+    # the exact GELU (the op's hw-tanh form is bounded by test_hw_tanh_form_on_gpu)
+    q, s = triton_quant_rows(h, a, prologue, fast=True)
     # against the float32 twin (the kernel keeps the producer in float32): same scales, and the
     # same e4m3 bytes but for values on a rounding boundary
     q0, s0 = torch_scaled_rows(h.float(), a.float() if a is not None else None, prologue)
@@ -340,5 +345,9 @@ def test_hw_tanh_form_on_gpu(ka, k, m):
     assert bool(((mine - exact).abs() <= step + slack).all())
     differ = (q.view(torch.uint8) != ref.to(torch.float8_e4m3fn).view(torch.uint8)).float().mean().item()
     print(f"hw-tanh: {differ:.4%} of the e4m3 bytes differ from the exact producer's")
+    assert differ < 5e-3  # measured on an H200: 0.11-0.19 % (run84)
+    # the op runs this form on the GPU
+    q2, s2 = quant_rows(h, a, "gelu_tanh")
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
     with pytest.raises(ValueError, match="CUDA"):
         triton_quant_rows(h.cpu(), None, "gelu_tanh", hw_tanh=True)
