@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .fp8 import FP8_DTYPE, scale_rowwise
 
-__all__ = ["GPU_FORMS", "MAX_CHUNKS", "PROLOGUES", "chunk_width", "launch_config", "quant_rows", "torch_quant_rows", "torch_scaled_rows", "triton_available", "triton_quant_rows"]
+__all__ = ["GPU_FORMS", "MAX_CHUNKS", "PROLOGUES", "chunk_width", "launch_config", "quant_rows", "quant_rows_ln_mod", "torch_quant_rows", "torch_quant_rows_ln_mod", "torch_scaled_ln_mod", "torch_scaled_rows", "triton_quant_rows_ln_mod", "ln_mod_config", "triton_available", "triton_quant_rows"]
 
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 #: prologue name -> the kernel's constexpr code
@@ -218,3 +218,90 @@ def _(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Ten
     k = _check(h, a, prologue)
     ka = a.shape[1] if a is not None else 0
     return h.new_empty((h.shape[0], ka + k), dtype=FP8_DTYPE), h.new_empty((h.shape[0], 1), dtype=torch.float32)
+
+
+# -- LayerNorm + modulation (DiT blocks' adaLN inputs): quantize_rowwise(addcmul(add, LN(x), mult))
+
+
+def _check_ln_mod(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"quant_rows_ln_mod: x must be [batch, tokens, features], got shape {tuple(x.shape)}")
+    for name, t in (("mult", mult), ("add", add)):
+        if t.dim() != 3 or t.shape[1] != 1 or t.shape[2] != x.shape[2] or t.shape[0] not in (1, x.shape[0]):
+            raise ValueError(f"quant_rows_ln_mod: {name} must be [batch or 1, 1, {x.shape[2]}], got {tuple(t.shape)}")
+        if t.dtype != x.dtype:
+            raise ValueError(f"quant_rows_ln_mod: {name} is {t.dtype}, x is {x.dtype}: they must match")
+
+
+def torch_scaled_ln_mod(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference up to the final cast: ``addcmul(add, layer_norm(x), mult)`` in the inputs'
+    dtype, as eager (ComfyUI's ``apply_mod`` after an affine-free LayerNorm) runs it, then
+    ``x / scale`` clamped to e4m3's range, in float32 [B * L, D]."""
+    _check_ln_mod(x, mult, add)
+    y = torch.addcmul(add, F.layer_norm(x, x.shape[-1:], eps=eps), mult)
+    return scale_rowwise(y.reshape(-1, x.shape[-1]))
+
+
+def torch_quant_rows_ln_mod(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of :func:`quant_rows_ln_mod`: (e4m3 [B * L, D], float32 [B * L, 1])."""
+    scaled, scale = torch_scaled_ln_mod(x, mult, add, eps)
+    return scaled.to(FP8_DTYPE), scale
+
+
+#: the most chunks the LayerNorm kernel holds a row in
+LN_MAX_CHUNKS = 4
+
+
+def ln_mod_config(width: int) -> tuple[int, int, int]:
+    """(BLOCK, chunks, num_warps) of the LayerNorm kernel: 1024-wide chunks (Flux's 3072: three, no
+    padding) with 4 warps, raised to at most :data:`LN_MAX_CHUNKS` chunks."""
+    block = min(max(1024, _pow2_at_least(_cdiv(max(width, 1), LN_MAX_CHUNKS))), _pow2_at_least(max(width, 1)))
+    return block, _cdiv(max(width, 1), block), 4 if block <= 2048 else 8
+
+
+def triton_quant_rows_ln_mod(
+    x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float, out_dtype: torch.dtype = FP8_DTYPE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`torch_quant_rows_ln_mod` in one Triton kernel (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``); ``out_dtype=float32`` stores the scaled values before the cast."""
+    _check_ln_mod(x, mult, add)
+    b, n, d = x.shape
+    x2 = x.reshape(b * n, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m2, a2 = mult.reshape(mult.shape[0], d), add.reshape(add.shape[0], d)
+    if m2.stride(-1) != 1:
+        m2 = m2.contiguous()
+    if a2.stride(-1) != 1:
+        a2 = a2.contiguous()
+    q = torch.empty((b * n, d), device=x.device, dtype=out_dtype)
+    scale = torch.empty((b * n, 1), device=x.device, dtype=torch.float32)
+    if b * n == 0:
+        return q, scale
+    block, chunks, warps = ln_mod_config(d)
+    from .rowwise_quant_kernel import ln_mod_quant_kernel
+
+    ln_mod_quant_kernel[(b * n,)](
+        x2, m2, a2, q, scale, d, n, x2.stride(0),
+        m2.stride(0) if m2.shape[0] > 1 else 0, a2.stride(0) if a2.shape[0] > 1 else 0, q.stride(0), float(eps),
+        BLOCK=block, NCH=chunks, FMAX=FP8_MAX, FAST=out_dtype == FP8_DTYPE and x.is_cuda, num_warps=warps,
+    )
+    return q, scale
+
+
+@torch.library.custom_op("nexfort::quant_rows_ln_mod", mutates_args=())
+def quant_rows_ln_mod(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise(addcmul(add, layer_norm(x, eps=eps), mult))`` for ``x`` [B, L, D] and
+    ``mult``/``add`` [B or 1, 1, D] (an affine-free LayerNorm and a per-sample modulation, as DiT
+    blocks make their attention and MLP inputs): (e4m3 [B * L, D], float32 scales [B * L, 1]). The
+    Triton kernel on CUDA, the torch twin elsewhere."""
+    if x.is_cuda and triton_available():
+        return triton_quant_rows_ln_mod(x, mult, add, eps)
+    return torch_quant_rows_ln_mod(x, mult, add, eps)
+
+
+@quant_rows_ln_mod.register_fake
+def _(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_ln_mod(x, mult, add)
+    rows = x.shape[0] * x.shape[1]
+    return x.new_empty((rows, x.shape[2]), dtype=FP8_DTYPE), x.new_empty((rows, 1), dtype=torch.float32)

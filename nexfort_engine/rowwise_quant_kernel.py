@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["quant_rows_kernel"]
+__all__ = ["ln_mod_quant_kernel", "quant_rows_kernel"]
 
 
 @triton.jit
@@ -168,3 +168,84 @@ def quant_rows_kernel(
             v = _load(h_row, offs, mask, K, PROLOGUE, FAST, HW_TANH)
             q = _scaled(v, scale, FMAX, FAST)
             tl.store(q_row + KA + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_chunk(x_row, c: tl.constexpr, D, BLOCK: tl.constexpr):
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    return tl.load(x_row + offs, mask=offs < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _ln_mod(v, mean, rstd, m_row, a_row, c: tl.constexpr, D, BLOCK: tl.constexpr):
+    """``add + layer_norm(x) * mult`` at chunk ``c``, the norm and the result each rounded to the
+    model dtype (``mult``'s, which is ``x``'s) as eager's two ops round."""
+    ROUND: tl.constexpr = m_row.dtype.element_ty
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    y = ((v - mean) * rstd).to(ROUND).to(tl.float32)
+    mult = tl.load(m_row + offs, mask=mask, other=0.0).to(tl.float32)
+    add = tl.load(a_row + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, (add + y * mult).to(ROUND).to(tl.float32), 0.0)
+
+
+@triton.jit
+def ln_mod_quant_kernel(
+    x_ptr, m_ptr, a_ptr, q_ptr, s_ptr,
+    D, L, stride_x, stride_m, stride_a, stride_q, eps,
+    BLOCK: tl.constexpr, NCH: tl.constexpr, FMAX: tl.constexpr, FAST: tl.constexpr,
+):
+    """One row of ``quantize_rowwise(addcmul(add, layer_norm(x), mult))`` per program: the row in
+    NCH (1..4) chunks of BLOCK in registers; ``mult``/``add`` rows by batch (row // L; stride 0
+    broadcasts one row to every batch)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // L
+    x_row = x_ptr + row * stride_x
+    m_row = m_ptr + b * stride_m
+    a_row = a_ptr + b * stride_a
+    q_row = q_ptr + row * stride_q
+    v0 = _ln_chunk(x_row, 0, D, BLOCK)
+    total = v0
+    if NCH > 1:
+        v1 = _ln_chunk(x_row, 1, D, BLOCK)
+        total += v1
+    if NCH > 2:
+        v2 = _ln_chunk(x_row, 2, D, BLOCK)
+        total += v2
+    if NCH > 3:
+        v3 = _ln_chunk(x_row, 3, D, BLOCK)
+        total += v3
+    mean = tl.sum(total, axis=0) / D
+    offs = tl.arange(0, BLOCK)
+    d0 = tl.where(offs < D, v0 - mean, 0.0)
+    sq = d0 * d0
+    if NCH > 1:
+        d1 = tl.where(offs + BLOCK < D, v1 - mean, 0.0)
+        sq += d1 * d1
+    if NCH > 2:
+        d2 = tl.where(offs + 2 * BLOCK < D, v2 - mean, 0.0)
+        sq += d2 * d2
+    if NCH > 3:
+        d3 = tl.where(offs + 3 * BLOCK < D, v3 - mean, 0.0)
+        sq += d3 * d3
+    rstd = tl.rsqrt(tl.sum(sq, axis=0) / D + eps)
+    y0 = _ln_mod(v0, mean, rstd, m_row, a_row, 0, D, BLOCK)
+    acc = tl.abs(y0)
+    if NCH > 1:
+        y1 = _ln_mod(v1, mean, rstd, m_row, a_row, 1, D, BLOCK)
+        acc = tl.maximum(acc, tl.abs(y1))
+    if NCH > 2:
+        y2 = _ln_mod(v2, mean, rstd, m_row, a_row, 2, D, BLOCK)
+        acc = tl.maximum(acc, tl.abs(y2))
+    if NCH > 3:
+        y3 = _ln_mod(v3, mean, rstd, m_row, a_row, 3, D, BLOCK)
+        acc = tl.maximum(acc, tl.abs(y3))
+    scale = tl.maximum(tl.max(acc, axis=0), 1e-12) / FMAX
+    tl.store(s_ptr + row, scale)
+    _put(q_row, y0, 0, D, scale, BLOCK, FMAX, FAST)
+    if NCH > 1:
+        _put(q_row, y1, 1, D, scale, BLOCK, FMAX, FAST)
+    if NCH > 2:
+        _put(q_row, y2, 2, D, scale, BLOCK, FMAX, FAST)
+    if NCH > 3:
+        _put(q_row, y3, 3, D, scale, BLOCK, FMAX, FAST)

@@ -10,7 +10,12 @@ from one of these producers, its quantization is replaced by one call of ``nexfo
 * ``gelu(h)`` and ``gelu(h, approximate="tanh")``: Flux's double-block MLPs, DiT MLPs;
 * ``cat([a, gelu(h, ...)], dim=-1)``: Flux's single blocks (attention output, MLP activation);
 * ``value * gelu(gate)`` with ``value, gate = h.chunk(2, -1)`` (and a no-op dropout after it):
-  the GEGLU feed-forward of SD1.x/SD2.x/SDXL transformer blocks.
+  the GEGLU feed-forward of SD1.x/SD2.x/SDXL transformer blocks;
+* ``addcmul(shift, layer_norm(x), 1 + scale)`` with an affine-free LayerNorm of a graph input ``x``
+  [B, L, D] and per-sample ``[B, 1, D]`` modulation: the adaLN inputs of Flux-family blocks
+  (ComfyUI's ``apply_mod``; the single blocks' ``linear1``, the double blocks' ``qkv``), replaced by
+  ``nexfort::quant_rows_ln_mod``. Only a LayerNorm of a graph input is taken: where ``x`` is made
+  in the graph (a residual sum), Inductor fuses that sum with the norm and the quantization.
 
 Only rows of at least ``min_width`` elements are rewritten (the row width is a static feature
 size, so the decision holds for every resolution under dynamic shape); narrower rows keep
@@ -102,6 +107,8 @@ class Match:
     width: int
     #: nodes the rewrite may make dead (erased only without users)
     chain: list[fx.Node]
+    #: ``ln_mod``: (mult, add, eps) of ``addcmul(add, layer_norm(h, eps=eps), mult)``
+    modulation: tuple[Any, ...] = ()
 
 
 def _quant_chain(mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]] | None:
@@ -189,6 +196,39 @@ def _producer(node: fx.Node) -> tuple[fx.Node, fx.Node | None, str, list[fx.Node
     return None
 
 
+_LAYER_NORM = (F.layer_norm, torch.layer_norm)
+#: whether :func:`find_matches` takes the LayerNorm + modulation form (the benchmark's
+#: ``--no-ln-mod-quant`` turns it off to compare both in one process)
+take_ln_mod = True
+
+
+def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, list[fx.Node]] | None:
+    """(x, mult, add, eps, producer nodes) when ``node`` is ``addcmul(add, layer_norm(x), mult)``
+    with an affine-free LayerNorm over the last dimension of a graph input ``x`` [B, L, D] and
+    ``mult``/``add`` of shape [B or 1, 1, D] in ``x``'s dtype."""
+    if not _is_call(node, (torch.addcmul,)) or node.kwargs.get("value", 1) != 1 or len(node.args) != 3:
+        return None
+    add, ln, mult = node.args
+    if not _is_call(ln, _LAYER_NORM) or len(ln.users) != 1:
+        return None
+    x = _arg(ln, 0, "input")
+    shape = _arg(ln, 1, "normalized_shape")
+    weight, bias = _arg(ln, 2, "weight"), _arg(ln, 3, "bias")
+    eps = _arg(ln, 4, "eps", 1e-5)
+    xv, mv, av = _val(x), _val(mult), _val(add)
+    if not (isinstance(x, fx.Node) and x.op == "placeholder") or weight is not None or bias is not None:
+        return None
+    if xv is None or mv is None or av is None or xv.dim() != 3 or not isinstance(eps, float):
+        return None
+    d = _static(xv.shape[-1])
+    if d is None or not isinstance(shape, (list, tuple)) or len(shape) != 1 or _static(shape[0]) != d:
+        return None
+    for t in (mv, av):
+        if t.dim() != 3 or _static(t.shape[1]) != 1 or _static(t.shape[2]) != d or t.dtype != xv.dtype:
+            return None
+    return x, mult, add, eps, [node, ln]
+
+
 def find_matches(gm: fx.GraphModule, min_width: int | None = None) -> list[Match]:
     """The quantizations of ``gm`` that :func:`rewrite_quantizations` replaces (rows of at least
     ``min_width`` elements; default :data:`DEFAULT_MIN_WIDTH`)."""
@@ -202,6 +242,14 @@ def find_matches(gm: fx.GraphModule, min_width: int | None = None) -> list[Match
         if chain is None:
             continue
         q_node, scale_node, producer, nodes = chain
+        ln_mod = _ln_mod_form(producer) if take_ln_mod else None
+        if ln_mod is not None:
+            x, mult, add, eps, producer_nodes = ln_mod
+            width = _static_width(producer)
+            if width is not None and width >= min_width:
+                matches.append(Match(node, q_node, scale_node, x, None, "ln_mod", width, [*nodes, *producer_nodes],
+                                     (mult, add, eps)))
+            continue
         found = _producer(producer)
         if found is None:
             continue
@@ -239,7 +287,19 @@ def rewrite_quantizations(gm: fx.GraphModule, min_width: int | None = None) -> i
         return 0
     graph = gm.graph
     op = torch.ops.nexfort.quant_rows.default
+    ln_op = torch.ops.nexfort.quant_rows_ln_mod.default
     for m in matches:
+        if m.prologue == "ln_mod":
+            with graph.inserting_before(m.fp8_mm):
+                fused = graph.call_function(ln_op, (m.h, *m.modulation))
+                _fake_meta(fused, ln_op, m.h, *m.modulation)
+                q = graph.call_function(operator.getitem, (fused, 0))
+                scale = graph.call_function(operator.getitem, (fused, 1))
+                if "example_value" in fused.meta:
+                    q.meta["example_value"], scale.meta["example_value"] = fused.meta["example_value"]
+            m.fp8_mm.replace_input_with(m.q_node, q)
+            m.fp8_mm.replace_input_with(m.scale_node, scale)
+            continue
         with graph.inserting_before(m.fp8_mm):
             h_width = _static_width(m.h)
             h2 = graph.call_method("reshape", (m.h, -1, h_width))
