@@ -14,8 +14,9 @@ from one of these producers, its quantization is replaced by one call of ``nexfo
 * ``addcmul(shift, layer_norm(x), 1 + scale)`` with an affine-free LayerNorm of a graph input ``x``
   [B, L, D] and per-sample ``[B, 1, D]`` modulation: the adaLN inputs of Flux-family blocks
   (ComfyUI's ``apply_mod``; the single blocks' ``linear1``, the double blocks' ``qkv``), replaced by
-  ``nexfort::quant_rows_ln_mod``. Only a LayerNorm of a graph input is taken: where ``x`` is made
-  in the graph (a residual sum), Inductor fuses that sum with the norm and the quantization.
+  ``nexfort::quant_rows_ln_mod``. Only a LayerNorm of a graph input (or of its copy, as regional
+  blocks make one) is taken: where ``x`` is made in the graph (a residual sum), Inductor fuses that
+  sum with the norm and the quantization.
 
 Only rows of at least ``min_width`` elements are rewritten (the row width is a static feature
 size, so the decision holds for every resolution under dynamic shape); narrower rows keep
@@ -205,7 +206,7 @@ take_ln_mod = True
 def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, list[fx.Node]] | None:
     """(x, mult, add, eps, producer nodes) when ``node`` is ``addcmul(add, layer_norm(x), mult)``
     with an affine-free LayerNorm over the last dimension of a graph input ``x`` [B, L, D] and
-    ``mult``/``add`` of shape [B or 1, 1, D] in ``x``'s dtype."""
+    ``mult``/``add`` of shape [B or 1, 1, D] in ``x``'s dtype (``x`` may be a copy of the input)."""
     if not _is_call(node, (torch.addcmul,)) or node.kwargs.get("value", 1) != 1 or len(node.args) != 3:
         return None
     add, ln, mult = node.args
@@ -215,6 +216,11 @@ def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, list[fx.N
     shape = _arg(ln, 1, "normalized_shape")
     weight, bias = _arg(ln, 2, "weight"), _arg(ln, 3, "bias")
     eps = _arg(ln, 4, "eps", 1e-5)
+    if (_is_method(x, "clone") or _is_call(x, (torch.clone,))) and len(x.args) == 1 and not x.kwargs:
+        # regional blocks run on copies of their inputs (regions._forward_on_copies): the copy
+        # holds the input's values until the block's residual updates it, after this linear, so
+        # the op reads the input itself and the copy stays a part of Inductor's residual kernel
+        x = x.args[0]
     xv, mv, av = _val(x), _val(mult), _val(add)
     if not (isinstance(x, fx.Node) and x.op == "placeholder") or weight is not None or bias is not None:
         return None
