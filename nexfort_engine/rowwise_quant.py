@@ -12,23 +12,30 @@ inputs on the fly::
 
 The custom op ``nexfort::quant_rows`` runs :func:`triton_quant_rows` on CUDA tensors and the twin
 :func:`torch_quant_rows` elsewhere; :mod:`nexfort_engine.passes.fuse_quant` puts the op into fp8
-graphs in place of Inductor's own quantization of such producers.
+graphs in place of Inductor's own quantization of such producers. A second op,
+``nexfort::quant_rows_ln_mod`` (:func:`quant_rows_ln_mod`, twin :func:`torch_quant_rows_ln_mod`),
+quantizes ``addcmul(add, layer_norm(x), mult)``: the affine-free LayerNorm + per-sample modulation
+that makes a DiT block's attention and MLP inputs (ComfyUI's Flux ``apply_mod``).
 
 Why: Inductor quantizes a row wider than its single-pass limit (Flux's 12288/15360-wide rows) in
 two kernels, one for the row's ``amax`` and one that recomputes the producer and writes fp8, each
 reading the bf16 producer input from memory. On an H200 that took 173 us for Flux's GELU rows and
 244 us for its single-block concatenation (BENCHMARKS.md, tenth session), against 69 / 91 us for
-the bf16 producer alone. Here each row is one program that holds the whole row in registers (up
-to :data:`ONE_PASS_MAX` padded elements; wider rows make two passes, the second finding the row in
-L2): 74 / 94 us. Flux O3 went from 10.00 to 10.77 it/s in the same call.
+the bf16 producer alone. Here each row is one program that holds the whole row in registers, in
+up to :data:`MAX_CHUNKS` power-of-two chunks (a 12288-wide row is 3 x 4096: no lanes compute
+padding; up to :data:`ONE_PASS_MAX` elements; wider rows make two passes, the second finding the
+row in L2), and the tanh GELU is one ``tanh.approx.f32`` per value: 44.5 / 64.9 us (run84; the
+whole row as one padded block with an exponential and a division per value took 71 / 89 us).
 
 Numerics: ``amax`` is exact in any order and ``scale = max(amax, 1e-12) / 448`` and ``x / scale``
-are the twin's float32 operations. Two things differ from eager. The producer's value stays in
-float32 here, while eager rounds it to the model dtype first (Inductor does not round either). The
-tanh-form GELU is computed as ``x * sigmoid(2u)``, which is ``0.5 x (1 + tanh(u))`` up to float32
-rounding, and on the GPU the op runs the kernel's ``fast`` form (the GELU's division approximate,
-the scaling a multiplication by the row's reciprocal: a few float32 ulp). So a value that sits on
-an e4m3 rounding boundary can land one step away; the tests bound how many do.
+are the twin's float32 operations. What differs from eager: the producer's value stays in float32
+here, while eager rounds it to the model dtype first (Inductor does not round either); on the GPU
+the op runs the ``hw-tanh`` form (:data:`gpu_form`): the tanh GELU through the hardware's
+approximate tanh (relative error about 2^-11 in the tanh, far below e4m3's 2^-4 steps: 0.11-0.19 %
+of the bytes differ from the exact producer's, each within one e4m3 step plus the tanh's error) and
+the scaling a multiplication by the row's reciprocal. The LayerNorm op rounds the norm and the
+modulated value to the model dtype as eager's two ops do; its mean and variance sum in another
+order, so a norm on a rounding boundary can move one step. The tests bound all of these.
 """
 
 from __future__ import annotations
@@ -233,18 +240,25 @@ def _check_ln_mod(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> Non
             raise ValueError(f"quant_rows_ln_mod: {name} is {t.dtype}, x is {x.dtype}: they must match")
 
 
-def torch_scaled_ln_mod(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference up to the final cast: ``addcmul(add, layer_norm(x), mult)`` in the inputs'
-    dtype, as eager (ComfyUI's ``apply_mod`` after an affine-free LayerNorm) runs it, then
-    ``x / scale`` clamped to e4m3's range, in float32 [B * L, D]."""
+def torch_scaled_ln_mod(
+    x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float, mult_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference up to the final cast: ``addcmul(add, layer_norm(x), mult_offset + mult)`` in
+    the inputs' dtype, as eager (ComfyUI's ``apply_mod(norm(x), 1 + scale, shift)`` after an
+    affine-free LayerNorm) runs it, then ``x / scale`` clamped to e4m3's range, in float32
+    [B * L, D]."""
     _check_ln_mod(x, mult, add)
+    if mult_offset:
+        mult = mult_offset + mult
     y = torch.addcmul(add, F.layer_norm(x, x.shape[-1:], eps=eps), mult)
     return scale_rowwise(y.reshape(-1, x.shape[-1]))
 
 
-def torch_quant_rows_ln_mod(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_quant_rows_ln_mod(
+    x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float, mult_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of :func:`quant_rows_ln_mod`: (e4m3 [B * L, D], float32 [B * L, 1])."""
-    scaled, scale = torch_scaled_ln_mod(x, mult, add, eps)
+    scaled, scale = torch_scaled_ln_mod(x, mult, add, eps, mult_offset)
     return scaled.to(FP8_DTYPE), scale
 
 
@@ -260,7 +274,8 @@ def ln_mod_config(width: int) -> tuple[int, int, int]:
 
 
 def triton_quant_rows_ln_mod(
-    x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float, out_dtype: torch.dtype = FP8_DTYPE,
+    x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float, mult_offset: float = 0.0,
+    out_dtype: torch.dtype = FP8_DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_quant_rows_ln_mod` in one Triton kernel (CUDA, or CPU under
     ``TRITON_INTERPRET=1``); ``out_dtype=float32`` stores the scaled values before the cast."""
@@ -283,25 +298,30 @@ def triton_quant_rows_ln_mod(
 
     ln_mod_quant_kernel[(b * n,)](
         x2, m2, a2, q, scale, d, n, x2.stride(0),
-        m2.stride(0) if m2.shape[0] > 1 else 0, a2.stride(0) if a2.shape[0] > 1 else 0, q.stride(0), float(eps),
+        m2.stride(0) if m2.shape[0] > 1 else 0, a2.stride(0) if a2.shape[0] > 1 else 0, q.stride(0), float(eps), float(mult_offset),
         BLOCK=block, NCH=chunks, FMAX=FP8_MAX, FAST=out_dtype == FP8_DTYPE and x.is_cuda, num_warps=warps,
     )
     return q, scale
 
 
 @torch.library.custom_op("nexfort::quant_rows_ln_mod", mutates_args=())
-def quant_rows_ln_mod(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise(addcmul(add, layer_norm(x, eps=eps), mult))`` for ``x`` [B, L, D] and
-    ``mult``/``add`` [B or 1, 1, D] (an affine-free LayerNorm and a per-sample modulation, as DiT
-    blocks make their attention and MLP inputs): (e4m3 [B * L, D], float32 scales [B * L, 1]). The
-    Triton kernel on CUDA, the torch twin elsewhere."""
+def quant_rows_ln_mod(
+    x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float, mult_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise(addcmul(add, layer_norm(x, eps=eps), mult_offset + mult))`` for ``x``
+    [B, L, D] and ``mult``/``add`` [B or 1, 1, D] (an affine-free LayerNorm and a per-sample
+    modulation, as DiT blocks make their attention and MLP inputs; ``mult_offset=1`` takes
+    ComfyUI's ``1 + scale`` into the kernel instead of a kernel of its own): (e4m3 [B * L, D],
+    float32 scales [B * L, 1]). The Triton kernel on CUDA, the torch twin elsewhere."""
     if x.is_cuda and triton_available():
-        return triton_quant_rows_ln_mod(x, mult, add, eps)
-    return torch_quant_rows_ln_mod(x, mult, add, eps)
+        return triton_quant_rows_ln_mod(x, mult, add, eps, mult_offset)
+    return torch_quant_rows_ln_mod(x, mult, add, eps, mult_offset)
 
 
 @quant_rows_ln_mod.register_fake
-def _(x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float, mult_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_ln_mod(x, mult, add)
     rows = x.shape[0] * x.shape[1]
     return x.new_empty((rows, x.shape[2]), dtype=FP8_DTYPE), x.new_empty((rows, 1), dtype=torch.float32)

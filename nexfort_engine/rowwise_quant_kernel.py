@@ -177,14 +177,14 @@ def _ln_chunk(x_row, c: tl.constexpr, D, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ln_mod(v, mean, rstd, m_row, a_row, c: tl.constexpr, D, BLOCK: tl.constexpr):
-    """``add + layer_norm(x) * mult`` at chunk ``c``, the norm and the result each rounded to the
-    model dtype (``mult``'s, which is ``x``'s) as eager's two ops round."""
+def _ln_mod(v, mean, rstd, m_row, a_row, c: tl.constexpr, D, BLOCK: tl.constexpr, offset):
+    """``add + layer_norm(x) * (offset + mult)`` at chunk ``c``, the norm, ``offset + mult`` and the
+    result each rounded to the model dtype (``mult``'s, which is ``x``'s) as eager's ops round."""
     ROUND: tl.constexpr = m_row.dtype.element_ty
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     y = ((v - mean) * rstd).to(ROUND).to(tl.float32)
-    mult = tl.load(m_row + offs, mask=mask, other=0.0).to(tl.float32)
+    mult = (tl.load(m_row + offs, mask=mask, other=0.0).to(tl.float32) + offset).to(ROUND).to(tl.float32)
     add = tl.load(a_row + offs, mask=mask, other=0.0).to(tl.float32)
     return tl.where(mask, (add + y * mult).to(ROUND).to(tl.float32), 0.0)
 
@@ -192,10 +192,10 @@ def _ln_mod(v, mean, rstd, m_row, a_row, c: tl.constexpr, D, BLOCK: tl.constexpr
 @triton.jit
 def ln_mod_quant_kernel(
     x_ptr, m_ptr, a_ptr, q_ptr, s_ptr,
-    D, L, stride_x, stride_m, stride_a, stride_q, eps,
+    D, L, stride_x, stride_m, stride_a, stride_q, eps, offset,
     BLOCK: tl.constexpr, NCH: tl.constexpr, FMAX: tl.constexpr, FAST: tl.constexpr,
 ):
-    """One row of ``quantize_rowwise(addcmul(add, layer_norm(x), mult))`` per program: the row in
+    """One row of ``quantize_rowwise(addcmul(add, layer_norm(x), offset + mult))`` per program: the row in
     NCH (1..4) chunks of BLOCK in registers; ``mult``/``add`` rows by batch (row // L; stride 0
     broadcasts one row to every batch)."""
     row = tl.program_id(0).to(tl.int64)
@@ -229,16 +229,16 @@ def ln_mod_quant_kernel(
         d3 = tl.where(offs + 3 * BLOCK < D, v3 - mean, 0.0)
         sq += d3 * d3
     rstd = tl.rsqrt(tl.sum(sq, axis=0) / D + eps)
-    y0 = _ln_mod(v0, mean, rstd, m_row, a_row, 0, D, BLOCK)
+    y0 = _ln_mod(v0, mean, rstd, m_row, a_row, 0, D, BLOCK, offset)
     acc = tl.abs(y0)
     if NCH > 1:
-        y1 = _ln_mod(v1, mean, rstd, m_row, a_row, 1, D, BLOCK)
+        y1 = _ln_mod(v1, mean, rstd, m_row, a_row, 1, D, BLOCK, offset)
         acc = tl.maximum(acc, tl.abs(y1))
     if NCH > 2:
-        y2 = _ln_mod(v2, mean, rstd, m_row, a_row, 2, D, BLOCK)
+        y2 = _ln_mod(v2, mean, rstd, m_row, a_row, 2, D, BLOCK, offset)
         acc = tl.maximum(acc, tl.abs(y2))
     if NCH > 3:
-        y3 = _ln_mod(v3, mean, rstd, m_row, a_row, 3, D, BLOCK)
+        y3 = _ln_mod(v3, mean, rstd, m_row, a_row, 3, D, BLOCK, offset)
         acc = tl.maximum(acc, tl.abs(y3))
     scale = tl.maximum(tl.max(acc, axis=0), 1e-12) / FMAX
     tl.store(s_ptr + row, scale)

@@ -108,7 +108,7 @@ class Match:
     width: int
     #: nodes the rewrite may make dead (erased only without users)
     chain: list[fx.Node]
-    #: ``ln_mod``: (mult, add, eps) of ``addcmul(add, layer_norm(h, eps=eps), mult)``
+    #: ``ln_mod``: (mult, add, eps, offset) of ``addcmul(add, layer_norm(h, eps=eps), offset + mult)``
     modulation: tuple[Any, ...] = ()
 
 
@@ -203,8 +203,9 @@ _LAYER_NORM = (F.layer_norm, torch.layer_norm)
 take_ln_mod = True
 
 
-def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, list[fx.Node]] | None:
-    """(x, mult, add, eps, producer nodes) when ``node`` is ``addcmul(add, layer_norm(x), mult)``
+def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, float, list[fx.Node]] | None:
+    """(x, mult, add, eps, mult offset, producer nodes) when ``node`` is
+    ``addcmul(add, layer_norm(x), offset + mult)`` (offset 0 when ``mult`` is not such a sum)
     with an affine-free LayerNorm over the last dimension of a graph input ``x`` [B, L, D] and
     ``mult``/``add`` of shape [B or 1, 1, D] in ``x``'s dtype (``x`` may be a copy of the input)."""
     if not _is_call(node, (torch.addcmul,)) or node.kwargs.get("value", 1) != 1 or len(node.args) != 3:
@@ -232,7 +233,19 @@ def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, list[fx.N
     for t in (mv, av):
         if t.dim() != 3 or _static(t.shape[1]) != 1 or _static(t.shape[2]) != d or t.dtype != xv.dtype:
             return None
-    return x, mult, add, eps, [node, ln]
+    nodes = [node, ln]
+    offset = 0.0
+    # ComfyUI's ``1 + scale`` (a method ``add`` or ``+`` with the number on either side): computed
+    # in the kernel, not by a kernel of its own
+    if (_is_method(mult, "add") or _is_call(mult, (operator.add, torch.add))) and len(mult.args) == 2 and not mult.kwargs:
+        a0, a1 = mult.args
+        num, t = (a1, a0) if isinstance(a1, (int, float)) else (a0, a1)
+        tv = _val(t)
+        if (isinstance(num, (int, float)) and not isinstance(num, bool) and isinstance(t, fx.Node) and tv is not None
+                and tuple(tv.shape) == tuple(mv.shape) and tv.dtype == mv.dtype):
+            nodes.append(mult)  # dies with the chain unless something else reads it
+            offset, mult = float(num), t
+    return x, mult, add, eps, offset, nodes
 
 
 def find_matches(gm: fx.GraphModule, min_width: int | None = None) -> list[Match]:
@@ -250,11 +263,11 @@ def find_matches(gm: fx.GraphModule, min_width: int | None = None) -> list[Match
         q_node, scale_node, producer, nodes = chain
         ln_mod = _ln_mod_form(producer) if take_ln_mod else None
         if ln_mod is not None:
-            x, mult, add, eps, producer_nodes = ln_mod
+            x, mult, add, eps, offset, producer_nodes = ln_mod
             width = _static_width(producer)
             if width is not None and width >= min_width:
                 matches.append(Match(node, q_node, scale_node, x, None, "ln_mod", width, [*nodes, *producer_nodes],
-                                     (mult, add, eps)))
+                                     (mult, add, eps, offset)))
             continue
         found = _producer(producer)
         if found is None:

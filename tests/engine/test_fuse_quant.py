@@ -118,11 +118,14 @@ LN_INTERPRETER_CHECK = textwrap.dedent(
         for b, n, d, mb in [(1, 5, 3072, 1), (2, 3, 300, 2), (2, 4, 48, 1), (1, 2, 5000, 1)]:
             x = torch.randn(b, n, d, dtype=dtype) * 2 + 0.5
             base = torch.randn(mb, 1, 3 * d, dtype=dtype)
-            mult, add = 1 + base[..., :d], base[..., d:2 * d]  # add: a strided view, as ComfyUI's chunks
-            q, s = triton_quant_rows_ln_mod(x, mult, add, 1e-6, out_dtype=torch.float32)
-            q0, s0 = torch_scaled_ln_mod(x, mult, add, 1e-6)
+            # add: a strided view, as ComfyUI's chunks; mult: 1 + scale made here or by the kernel
+            scale, add = base[..., :d], base[..., d:2 * d]
+            offset = 1.0 if b * n % 2 else 0.0
+            mult = scale if offset else 1 + scale
+            q, s = triton_quant_rows_ln_mod(x, mult, add, 1e-6, offset, out_dtype=torch.float32)
+            q0, s0 = torch_scaled_ln_mod(x, mult, add, 1e-6, offset)
             rows.append({
-                "case": [str(dtype), b, n, d, mb],
+                "case": [str(dtype), b, n, d, mb, offset],
                 "shape_ok": list(q.shape) == [b * n, d] and list(s.shape) == [b * n, 1],
                 "scale_rel": float(((s - s0).abs() / s0).max()),
                 "value_abs": float((q - q0).abs().max()),
@@ -146,7 +149,7 @@ def test_ln_mod_kernel_matches_twin_interpreted():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 12
+    assert len(rows) == 12 and {r["case"][-1] for r in rows} == {0.0, 1.0}
     for r in rows:
         bf16 = "bfloat16" in r["case"][0]
         assert r["shape_ok"], r
@@ -284,6 +287,9 @@ def test_rewrite_flux_block_inputs(comfy_inproc, cache):
     assert sorted(found[0]) == [("gelu_tanh", 192, True), ("ln_mod", 64, False)]
     targets = _targets(graphs[0])
     assert targets.count(ln_op) == 1 and torch.addcmul not in targets and F.layer_norm not in targets
+    # ComfyUI's ``1 + scale`` is the op's offset: no separate addition left
+    (call,) = [n for n in graphs[0].graph.nodes if n.target is ln_op]
+    assert call.args[-1] == 1.0 and "add" not in targets
     assert torch.equal(out, ref)
 
     out, ref, found, graphs = _rewritten(dm.double_blocks[0], (img.clone(), txt.clone(), vec, pe), {})
@@ -478,8 +484,9 @@ def test_ln_mod_kernel_on_gpu(b, n, d, mb):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(b, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) * 2 + 0.5
     base = torch.randn(mb, 1, 3 * d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    mult, add = 1 + base[..., :d], base[..., d:2 * d]
-    q, s = torch.ops.nexfort.quant_rows_ln_mod(x, mult, add, 1e-6)
+    scale, add = base[..., :d], base[..., d:2 * d]
+    mult = 1 + scale
+    q, s = torch.ops.nexfort.quant_rows_ln_mod(x, scale, add, 1e-6, 1.0)
     ref, s0 = torch_scaled_ln_mod(x, mult, add, 1e-6)
     assert float(((s - s0).abs() / s0).max()) < 2**-8
     differ = (q.view(torch.uint8) != ref.to(torch.float8_e4m3fn).view(torch.uint8)).float().mean().item()
