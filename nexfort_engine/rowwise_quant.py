@@ -275,10 +275,12 @@ def ln_mod_config(width: int) -> tuple[int, int, int]:
 
 def triton_quant_rows_ln_mod(
     x: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, eps: float, mult_offset: float = 0.0,
-    out_dtype: torch.dtype = FP8_DTYPE,
+    out_dtype: torch.dtype = FP8_DTYPE, config: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_quant_rows_ln_mod` in one Triton kernel (CUDA, or CPU under
-    ``TRITON_INTERPRET=1``); ``out_dtype=float32`` stores the scaled values before the cast."""
+    ``TRITON_INTERPRET=1``); ``out_dtype=float32`` stores the scaled values before the cast;
+    ``config`` (BLOCK, num_warps) overrides :func:`ln_mod_config` (benchmarks; BLOCK is raised
+    until at most :data:`LN_MAX_CHUNKS` chunks hold the row)."""
     _check_ln_mod(x, mult, add)
     b, n, d = x.shape
     x2 = x.reshape(b * n, d)
@@ -294,6 +296,9 @@ def triton_quant_rows_ln_mod(
     if b * n == 0:
         return q, scale
     block, chunks, warps = ln_mod_config(d)
+    if config is not None:
+        block = max(config[0], _pow2_at_least(_cdiv(max(d, 1), LN_MAX_CHUNKS)))
+        chunks, warps = _cdiv(max(d, 1), block), config[1]
     from .rowwise_quant_kernel import ln_mod_quant_kernel
 
     ln_mod_quant_kernel[(b * n,)](
