@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the form nexfort::quant_rows runs on the GPU (default: the engine's; A/B comparisons)")
     p.add_argument("--no-ln-mod-quant", action="store_true",
                    help="fp8 graphs: leave the LayerNorm + modulation inputs to Inductor (A/B comparisons)")
+    p.add_argument("--no-fp8-gemv", action="store_true",
+                   help="fp8 graphs: single-token linears quantized like the others (A/B comparisons)")
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--output-markdown", type=Path, default=None)
     p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
@@ -359,6 +361,13 @@ def _child_argv(args: argparse.Namespace, out_json: Path) -> list[str]:
             "--fp32-reference", "never", "--cache-dir", str(args.cache_dir), "--output-json", str(out_json)]
 
 
+def _ran_fp8() -> bool:
+    """Whether a model nexfort compiled in this process runs fp8 linears (its counters' info)."""
+    from nexfort_engine import counters
+
+    return any(rec.get("fp8") for rec in counters.snapshot().get("models", {}).values())
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     cache_dir, cache_was_empty = _setup_cache_env(args)
     comfy_root = (args.comfy_root or default_comfy_root()).resolve()
@@ -375,6 +384,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from nexfort_engine.passes import fuse_quant
 
         fuse_quant.take_ln_mod = False
+    if args.no_fp8_gemv:
+        from nexfort_engine import fp8
+
+        fp8.gemv_single_tokens = False
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny on CPU)")
@@ -415,6 +428,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         result["compiler_config_resolved"] = parse_options(args.compiler_config).to_dict()
         result["quant_rows_form"] = rowwise_quant.gpu_form
         result["ln_mod_quant"] = not args.no_ln_mod_quant
+        result["fp8_gemv"] = not args.no_fp8_gemv
 
     t0 = time.perf_counter()
     mp = models.build(spec, device, dtype, manual_cast, seed=args.seed)
@@ -492,6 +506,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         result["device_peak_method"] = {"op": "torch.mm n x n x n (fp8: torch._scaled_mm)", "n": peak["n"],
                                         "fp8_scaling": peak["fp8_scaling"]}
         result["peak_dtype"] = metrics.DTYPE_KEY.get(manual_cast or dtype)
+        if args.compiler == "nexfort" and _ran_fp8():  # the GEMMs ran in fp8: their peak is the bound
+            result["peak_dtype"] = "fp8"
         result.update(metrics.achieved(result.get("flops_per_step"), result["it_s"], peak["tflops"],
                                        result["peak_dtype"]))
 
