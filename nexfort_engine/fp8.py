@@ -63,16 +63,12 @@ __all__ = [
     "eligible",
     "fp8_linear",
     "fp8_linear_cached",
-    "fp8_gemv_cached",
     "fp8_linear_reference",
     "fp8_supported",
     "model_width",
     "pays_off",
     "quantize_rowwise",
     "scale_rowwise",
-    "single_token",
-    "torch_gemv",
-    "triton_gemv",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -506,82 +502,10 @@ def _(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, bias: torch
     return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=torch.bfloat16)
 
 
-#: rows up to which a program of the weight-only kernel holds them all (more rows: more programs)
-GEMV_BLOCK_M = 16
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the weight-only kernel
-GEMV_CONFIG = (32, 256, 4, 4)
-#: whether single-token linears take :func:`fp8_gemv_cached` (the benchmark's ``--no-fp8-gemv``
-#: turns it off to compare both in one process)
-gemv_single_tokens = True
-
-
-def single_token(x: torch.Tensor) -> bool:
-    """Whether ``x`` [..., 1, K] has one token per sample, statically (a size-1 dimension is
-    specialized by Dynamo, so the decision holds under dynamic shape): the adaLN modulation of DiT
-    blocks (ComfyUI's Flux ``Modulation`` runs its linear on ``vec[:, None, :]``)."""
-    return x.dim() >= 3 and isinstance(x.shape[-2], int) and x.shape[-2] == 1 and x.dtype in (torch.float16, torch.bfloat16)
-
-
-def torch_gemv(x2: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The weight-only fp8 product's reference: ``(x @ wq.T) * scale + bias`` in float32, in ``x``'s
-    dtype (x [M, K], wq [N, K] e4m3, w_scale [N, 1])."""
-    out = (x2.float() @ wq.float().t()) * w_scale.t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x2.dtype)
-
-
-def triton_gemv(
-    x2: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-    config: tuple[int, int, int, int] | None = None,
-) -> torch.Tensor:
-    """:func:`torch_gemv` in one Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
-    from .fp8_gemv_kernel import fp8_gemv_kernel
-
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, k = x2.shape
-    n = wq.shape[0]
-    out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    if m == 0:
-        return out
-    block_n, block_k, warps, stages = config or GEMV_CONFIG
-    block_m = max(16, min(GEMV_BLOCK_M, 1 << (m - 1).bit_length()))
-    grid = (-(-n // block_n), -(-m // block_m))
-    fp8_gemv_kernel[grid](
-        x2, wq.contiguous(), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
-        m, n, k, x2.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=not x2.is_cuda,
-        num_warps=warps, num_stages=stages,
-    )
-    return out
-
-
-@torch.library.custom_op("nexfort::fp8_gemv_cached", mutates_args=())
-def fp8_gemv_cached(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x2 [M, K]`` (a few rows, 16-bit) times ``weight [N, K]``'s cached rowwise e4m3 copy, the
-    activation not quantized: ``[M, N]`` in ``x2``'s dtype, ``bias`` added. For single-token
-    linears, where ``_scaled_mm``'s tiles of 128 rows ran at about a third of memory speed (the
-    activation is one row: the product only streams the weight)."""
-    wq, w_scale = CACHE.lookup(weight)
-    if x2.is_cuda:
-        return triton_gemv(x2, wq, w_scale, bias)
-    return torch_gemv(x2, wq, w_scale, bias)
-
-
-@fp8_gemv_cached.register_fake
-def _(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x2.new_empty((x2.shape[0], weight.shape[0]))
-
-
 def fp8_linear_cached(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fp8_linear` with the weight's quantization taken from :data:`CACHE` (the same
-    numbers): only the activation is quantized here, in the caller's graph. A single-token input
-    (:func:`single_token`) is not quantized at all: :func:`fp8_gemv_cached` streams the cached
-    weight against the 16-bit activation."""
+    numbers): only the activation is quantized here, in the caller's graph."""
     x2, out_shape = _flatten(x, weight)
-    if gemv_single_tokens and single_token(x):
-        return fp8_gemv_cached(x2, weight, bias).reshape(out_shape)
     xq, sx = quantize_rowwise(x2)
     fused = _fused_bias(x, bias)
     out = fp8_mm_cached(xq.contiguous(), sx, weight, bias if fused else None)

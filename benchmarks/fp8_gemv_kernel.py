@@ -1,5 +1,5 @@
-"""The Triton kernel behind :func:`nexfort_engine.fp8.fp8_gemv_cached` (imported only when it first
-runs; see that function for what it computes and why).
+"""The Triton kernel behind :func:`benchmarks.fp8_gemv.triton_gemv` (an experiment, measured and
+not shipped: see that module).
 
 ``out [M, N] = (x [M, K] @ dequant(wq [N, K]).T) * w_scale [N] + bias [N]`` for a handful of rows:
 one program per ``BLOCK_N`` output features (and ``BLOCK_M`` rows), streaming its weight rows once

@@ -1,0 +1,84 @@
+"""The weight-only fp8 product of ``benchmarks/fp8_gemv.py`` (single-token linears; measured on an
+H200 and not shipped: BENCHMARKS.md, thirteenth session): its Triton kernel against its torch twin,
+so the benchmark's numbers stay about a correct kernel.
+
+Run by Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be set before Triton
+builds the kernel), where the kernel multiplies in float32 (the interpreter's bfloat16 ``tl.dot``
+returns garbage) and the output's cast to bfloat16 truncates: bfloat16 within two of its steps at
+the largest magnitude, float16 to 1e-5 relative. On a GPU (marked ``gpu``): the 16-bit tensor-core
+products at Flux's modulation sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHECK = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from benchmarks.fp8_gemv import torch_gemv, triton_gemv
+from nexfort_engine.fp8 import quantize_rowwise
+torch.manual_seed(0)
+rows = []
+for dtype in (torch.bfloat16, torch.float16):
+    for m, n, k, bias in [(1, 96, 64, True), (3, 80, 300, False), (17, 48, 256, True)]:
+        wq, ws = quantize_rowwise(torch.randn(n, k, dtype=dtype))
+        x = torch.randn(m, k + 7, dtype=dtype)[:, 2:2 + k]  # strided rows
+        b = torch.randn(n, dtype=dtype) if bias else None
+        out = triton_gemv(x, wq, ws, b, config=(32, 64, 4, 1))
+        ref = torch_gemv(x, wq, ws, b)
+        rows.append({"case": [str(dtype), m, n, k, bias], "shape_ok": list(out.shape) == [m, n] and out.dtype == dtype,
+                     "err": float((out.float() - ref.float()).abs().max()), "max": float(ref.float().abs().max())})
+print(json.dumps(rows))
+"""
+
+
+def test_gemv_kernel_matches_twin_interpreted():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", CHECK, str(REPO)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6
+    for r in rows:
+        assert r["shape_ok"], r
+        assert r["err"] <= (2 * 2**-7 if "bfloat16" in r["case"][0] else 1e-5) * r["max"], r
+
+
+def test_twin_is_more_accurate_than_the_quantized_product():
+    from benchmarks.fp8_gemv import torch_gemv
+    from nexfort_engine.fp8 import fp8_linear_reference, quantize_rowwise
+
+    torch.manual_seed(0)
+    w, b, x = torch.randn(96, 64), torch.randn(96), torch.randn(2, 64)
+    wq, ws = quantize_rowwise(w)
+    exact = torch.nn.functional.linear(x, w, b)
+    err = (torch_gemv(x, wq, ws, b) - exact).norm() / exact.norm()
+    assert err < (fp8_linear_reference(x[:, None], w, b)[:, 0] - exact).norm() / exact.norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m, n, k", [(1, 9216, 3072), (2, 18432, 3072), (3, 1152, 1152)])
+def test_gemv_kernel_on_gpu(m, n, k):
+    """16-bit tensor-core products of exact e4m3 weights, float32 sums: the twin's values to the
+    output's rounding (the sums' order differs)."""
+    from benchmarks.fp8_gemv import torch_gemv, triton_gemv
+    from nexfort_engine.fp8 import quantize_rowwise
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wq, ws = quantize_rowwise(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, ref = triton_gemv(x, wq, ws, b), torch_gemv(x, wq, ws, b)
+    err = (out.float() - ref.float()).abs()
+    assert bool((err <= ref.float().abs() * 2**-7 + 1e-2).all()), float(err.max())
