@@ -48,29 +48,6 @@ CASES: dict[str, tuple[int, int, int]] = {
 }
 
 
-def _graph_time(fn: Callable[[], Any], calls: int) -> float:
-    """Seconds per call of ``fn`` replayed ``calls`` times from one CUDA graph (best of 5)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / calls)
-    return best
-
-
 def measure(name: str, calls: int) -> dict[str, Any]:
     m, k, n = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -83,7 +60,7 @@ def measure(name: str, calls: int) -> dict[str, Any]:
 
     def record(label: str, fn: Callable[[], torch.Tensor], nbytes: int) -> None:
         out = fn()
-        seconds = _graph_time(fn, calls)
+        seconds = metrics.time_graph(fn, calls)
         row[label] = {"us": round(seconds * 1e6, 2), "GB/s": round(nbytes / seconds / 1e9, 1),
                       "max_rel_err": round(float((out.float() - ref).abs().max() / ref.abs().max()), 5)}
 

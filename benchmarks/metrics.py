@@ -464,6 +464,30 @@ def cudagraph_state() -> dict[str, Any]:
     return out
 
 
+def time_graph(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Seconds per call of ``fn`` replayed ``calls`` times from one CUDA graph (best of 5): for
+    kernels shorter than a Python call, whose eager timing measures the host (CUDA only)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / calls)
+    return best
+
+
 def run_kernel_cases(cases: Iterable[str], measure: Callable[[str], dict[str, Any]], output_json: Path | None) -> list[dict[str, Any]]:
     """A kernel microbenchmark's cases: each ``measure(case)`` row printed as one JSON line as it
     finishes, then all of them written to ``output_json`` (with the device and torch version)."""
