@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the form nexfort::quant_rows runs on the GPU (default: the engine's; A/B comparisons)")
     p.add_argument("--no-ln-mod-quant", action="store_true",
                    help="fp8 graphs: leave the LayerNorm + modulation inputs to Inductor (A/B comparisons)")
+    p.add_argument("--rope-config", default=None, metavar="BLOCK_RxWARPS",
+                   help="nexfort::rms_norm_rope's launch configuration, e.g. 32x4 (default: the engine's; A/B comparisons)")
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--output-markdown", type=Path, default=None)
     p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
@@ -378,6 +380,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from nexfort_engine import rowwise_quant
 
         rowwise_quant.gpu_form = args.quant_rows_form
+    if args.rope_config:
+        from nexfort_engine import rope
+
+        rope.DEFAULT_CONFIG = tuple(int(v) for v in args.rope_config.split("x"))
     if args.no_ln_mod_quant:
         from nexfort_engine.passes import fuse_quant
 
@@ -422,6 +428,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         result["compiler_config_resolved"] = parse_options(args.compiler_config).to_dict()
         result["quant_rows_form"] = rowwise_quant.gpu_form
         result["ln_mod_quant"] = not args.no_ln_mod_quant
+        from nexfort_engine import rope
+
+        result["rope_config"] = list(rope.DEFAULT_CONFIG)
 
     t0 = time.perf_counter()
     mp = models.build(spec, device, dtype, manual_cast, seed=args.seed)

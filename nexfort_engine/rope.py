@@ -43,10 +43,13 @@ from .rowwise_quant import triton_available
 __all__ = ["kernel_takes", "rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_available",
            "triton_rms_norm_rope"]
 
-#: (BLOCK_R rows per program, num_warps) when none is given. In Flux O3 on an H200 the kernel took
-#: 24.5 us per call with it (152 calls per step, run79/run80); standalone timings of the kernel
-#: did not predict the in-model ones (BENCHMARKS.md, twelfth session), so no sweep decided it
-DEFAULT_CONFIG = (32, 4)
+#: (BLOCK_R rows per program, num_warps) when none is given (read at each call: the benchmark's
+#: ``--rope-config`` sets it to compare configurations in one process). Timed from CUDA graphs on
+#: an H200 (benchmarks/rope_kernels.py, run93), Flux's single-block q + k: 48.7 us with (16, 4),
+#: 48.5 with (8, 2), 55.1 with (32, 4) (the twelfth session's choice), Inductor 73.6; the double
+#: block's path 136.9 / 133.5 / 141.1 us. The twelfth session's eager timings measured Python's
+#: launches, not the kernel (BENCHMARKS.md, thirteenth session)
+DEFAULT_CONFIG = (16, 4)
 #: dtypes the kernel handles (it moves values as 16-bit halves of 32-bit words)
 KERNEL_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 

@@ -203,8 +203,19 @@ _LAYER_NORM = (F.layer_norm, torch.layer_norm)
 take_ln_mod = True
 
 
-def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, float, list[fx.Node]] | None:
-    """(x, mult, add, eps, mult offset, producer nodes) when ``node`` is
+def _mutated_before(sources: list[fx.Node], end: fx.Node) -> bool:
+    """Whether an in-place method (``add_``, ``mul_``, ...) on one of ``sources`` runs before
+    ``end`` in graph order (the op placed before ``end`` would then read other values than the
+    LayerNorm did)."""
+    order = {n: i for i, n in enumerate(end.graph.nodes)}
+    return any(
+        u.op == "call_method" and isinstance(u.target, str) and u.target.endswith("_") and order[u] < order[end]
+        for s in sources for u in s.users
+    )
+
+
+def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, float, list[fx.Node], list[fx.Node]] | None:
+    """(x, mult, add, eps, mult offset, producer nodes, the nodes ``x`` is read through) when ``node`` is
     ``addcmul(add, layer_norm(x), offset + mult)`` (offset 0 when ``mult`` is not such a sum)
     with an affine-free LayerNorm over the last dimension of a graph input ``x`` [B, L, D] and
     ``mult``/``add`` of shape [B or 1, 1, D] in ``x``'s dtype (``x`` may be a copy of the input)."""
@@ -217,11 +228,14 @@ def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, float, li
     shape = _arg(ln, 1, "normalized_shape")
     weight, bias = _arg(ln, 2, "weight"), _arg(ln, 3, "bias")
     eps = _arg(ln, 4, "eps", 1e-5)
+    sources = [x]
     if (_is_method(x, "clone") or _is_call(x, (torch.clone,))) and len(x.args) == 1 and not x.kwargs:
         # regional blocks run on copies of their inputs (regions._forward_on_copies): the copy
         # holds the input's values until the block's residual updates it, after this linear, so
         # the op reads the input itself and the copy stays a part of Inductor's residual kernel
+        # (find_matches checks that nothing writes either in place before the linear)
         x = x.args[0]
+        sources.append(x)
     xv, mv, av = _val(x), _val(mult), _val(add)
     if not (isinstance(x, fx.Node) and x.op == "placeholder") or weight is not None or bias is not None:
         return None
@@ -245,7 +259,7 @@ def _ln_mod_form(node: Any) -> tuple[fx.Node, fx.Node, fx.Node, float, float, li
                 and tuple(tv.shape) == tuple(mv.shape) and tv.dtype == mv.dtype):
             nodes.append(mult)  # dies with the chain unless something else reads it
             offset, mult = float(num), t
-    return x, mult, add, eps, offset, nodes
+    return x, mult, add, eps, offset, nodes, sources
 
 
 def find_matches(gm: fx.GraphModule, min_width: int | None = None) -> list[Match]:
@@ -263,9 +277,9 @@ def find_matches(gm: fx.GraphModule, min_width: int | None = None) -> list[Match
         q_node, scale_node, producer, nodes = chain
         ln_mod = _ln_mod_form(producer) if take_ln_mod else None
         if ln_mod is not None:
-            x, mult, add, eps, offset, producer_nodes = ln_mod
+            x, mult, add, eps, offset, producer_nodes, sources = ln_mod
             width = _static_width(producer)
-            if width is not None and width >= min_width:
+            if width is not None and width >= min_width and not _mutated_before(sources, node):
                 matches.append(Match(node, q_node, scale_node, x, None, "ln_mod", width, [*nodes, *producer_nodes],
                                      (mult, add, eps, offset)))
             continue
@@ -308,28 +322,21 @@ def rewrite_quantizations(gm: fx.GraphModule, min_width: int | None = None) -> i
     op = torch.ops.nexfort.quant_rows.default
     ln_op = torch.ops.nexfort.quant_rows_ln_mod.default
     for m in matches:
-        if m.prologue == "ln_mod":
-            with graph.inserting_before(m.fp8_mm):
+        with graph.inserting_before(m.fp8_mm):
+            if m.prologue == "ln_mod":
                 fused = graph.call_function(ln_op, (m.h, *m.modulation))
                 _fake_meta(fused, ln_op, m.h, *m.modulation)
-                q = graph.call_function(operator.getitem, (fused, 0))
-                scale = graph.call_function(operator.getitem, (fused, 1))
-                if "example_value" in fused.meta:
-                    q.meta["example_value"], scale.meta["example_value"] = fused.meta["example_value"]
-            m.fp8_mm.replace_input_with(m.q_node, q)
-            m.fp8_mm.replace_input_with(m.scale_node, scale)
-            continue
-        with graph.inserting_before(m.fp8_mm):
-            h_width = _static_width(m.h)
-            h2 = graph.call_method("reshape", (m.h, -1, h_width))
-            _fake_meta(h2, lambda t, *s: t.reshape(*s), m.h, -1, h_width)
-            a2 = None
-            if m.a is not None:
-                a_width = _static_width(m.a)
-                a2 = graph.call_method("reshape", (m.a, -1, a_width))
-                _fake_meta(a2, lambda t, *s: t.reshape(*s), m.a, -1, a_width)
-            fused = graph.call_function(op, (h2, a2, m.prologue))
-            _fake_meta(fused, op, h2, a2, m.prologue)
+            else:
+                h_width = _static_width(m.h)
+                h2 = graph.call_method("reshape", (m.h, -1, h_width))
+                _fake_meta(h2, lambda t, *s: t.reshape(*s), m.h, -1, h_width)
+                a2 = None
+                if m.a is not None:
+                    a_width = _static_width(m.a)
+                    a2 = graph.call_method("reshape", (m.a, -1, a_width))
+                    _fake_meta(a2, lambda t, *s: t.reshape(*s), m.a, -1, a_width)
+                fused = graph.call_function(op, (h2, a2, m.prologue))
+                _fake_meta(fused, op, h2, a2, m.prologue)
             q = graph.call_function(operator.getitem, (fused, 0))
             scale = graph.call_function(operator.getitem, (fused, 1))
             if "example_value" in fused.meta:

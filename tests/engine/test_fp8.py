@@ -637,4 +637,3 @@ def test_auto_fp8_width_of_the_released_architectures(comfy_inproc, family, widt
     model = config.get_model(dict(spec.detect_state_dict), "", device=torch.device("meta"))
     assert fp8_mod.model_width(model.diffusion_model) == width
     assert fp8_mod.pays_off(model.diffusion_model) is pays
-

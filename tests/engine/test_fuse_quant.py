@@ -328,6 +328,23 @@ def test_regional_fp8_flux_takes_block_inputs(comfy_inproc, cache, fresh_stats, 
     torch._dynamo.reset()
 
 
+def test_ln_mod_form_refuses_inputs_written_in_place_before_the_linear():
+    """The op reads the block input (behind its copy) where the linear runs: an in-place write to
+    the input or its copy before that point would change what it reads, so the form is refused."""
+
+    def f(x, y):
+        c = x.clone()
+        c.mul_(2)  # symbolic tracing keeps ``c`` bound to the clone: the write is a separate node
+        return F.layer_norm(c, (4,)) + y
+
+    gm = torch.fx.symbolic_trace(f)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    clone, x, out = nodes["clone"], nodes["x"], nodes["add"]
+    assert fuse_quant._mutated_before([clone, x], out)
+    assert not fuse_quant._mutated_before([x], out)  # only the copy is written
+    assert not fuse_quant._mutated_before([clone, x], nodes["mul_"])  # the write is at the end, not before it
+
+
 class _Producers(torch.nn.Module):
     """Quantized linears behind producers the rewrite must leave alone, and one it takes."""
 
