@@ -47,7 +47,24 @@ import torch.nn.functional as F
 
 from .fp8 import FP8_DTYPE, scale_rowwise
 
-__all__ = ["GPU_FORMS", "MAX_CHUNKS", "PROLOGUES", "chunk_width", "launch_config", "quant_rows", "quant_rows_ln_mod", "torch_quant_rows", "torch_quant_rows_ln_mod", "torch_scaled_ln_mod", "torch_scaled_rows", "triton_quant_rows_ln_mod", "ln_mod_config", "triton_available", "triton_quant_rows"]
+__all__ = [
+    "GPU_FORMS",
+    "LN_MAX_CHUNKS",
+    "MAX_CHUNKS",
+    "PROLOGUES",
+    "chunk_width",
+    "launch_config",
+    "ln_mod_config",
+    "quant_rows",
+    "quant_rows_ln_mod",
+    "torch_quant_rows",
+    "torch_quant_rows_ln_mod",
+    "torch_scaled_ln_mod",
+    "torch_scaled_rows",
+    "triton_available",
+    "triton_quant_rows",
+    "triton_quant_rows_ln_mod",
+]
 
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 #: prologue name -> the kernel's constexpr code
@@ -131,12 +148,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def chunk_width(width: int, block: int = 0) -> int:
+def chunk_width(width: int, block: int = 0, max_chunks: int = MAX_CHUNKS) -> int:
     """The power-of-two chunk a one-pass row of ``width`` elements is held in: ``block`` (a
     requested chunk; default 4096 for rows of 8192 or more, 1024 below), raised until at most
-    :data:`MAX_CHUNKS` chunks cover the row, and never wider than the row's padded width."""
+    ``max_chunks`` chunks cover the row, and never wider than the row's padded width."""
     block = block or (4096 if width >= 8192 else 1024)
-    return min(max(block, _pow2_at_least(_cdiv(max(width, 1), MAX_CHUNKS))), _pow2_at_least(max(width, 1)))
+    return min(max(block, _pow2_at_least(_cdiv(max(width, 1), max_chunks))), _pow2_at_least(max(width, 1)))
 
 
 def launch_config(width: int, a_width: int = 0) -> tuple[bool, int, int]:
@@ -269,7 +286,7 @@ LN_MAX_CHUNKS = 4
 def ln_mod_config(width: int) -> tuple[int, int, int]:
     """(BLOCK, chunks, num_warps) of the LayerNorm kernel: 1024-wide chunks (Flux's 3072: three, no
     padding) with 4 warps, raised to at most :data:`LN_MAX_CHUNKS` chunks."""
-    block = min(max(1024, _pow2_at_least(_cdiv(max(width, 1), LN_MAX_CHUNKS))), _pow2_at_least(max(width, 1)))
+    block = chunk_width(width, 1024, LN_MAX_CHUNKS)
     return block, _cdiv(max(width, 1), block), 4 if block <= 2048 else 8
 
 
@@ -279,8 +296,8 @@ def triton_quant_rows_ln_mod(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_quant_rows_ln_mod` in one Triton kernel (CUDA, or CPU under
     ``TRITON_INTERPRET=1``); ``out_dtype=float32`` stores the scaled values before the cast;
-    ``config`` (BLOCK, num_warps) overrides :func:`ln_mod_config` (benchmarks; BLOCK is raised
-    until at most :data:`LN_MAX_CHUNKS` chunks hold the row)."""
+    ``config`` (BLOCK, num_warps) overrides :func:`ln_mod_config` (benchmarks; BLOCK as
+    :func:`chunk_width` takes it, with at most :data:`LN_MAX_CHUNKS` chunks)."""
     _check_ln_mod(x, mult, add)
     b, n, d = x.shape
     x2 = x.reshape(b * n, d)
@@ -297,7 +314,7 @@ def triton_quant_rows_ln_mod(
         return q, scale
     block, chunks, warps = ln_mod_config(d)
     if config is not None:
-        block = max(config[0], _pow2_at_least(_cdiv(max(d, 1), LN_MAX_CHUNKS)))
+        block = chunk_width(d, config[0], LN_MAX_CHUNKS)
         chunks, warps = _cdiv(max(d, 1), block), config[1]
     from .rowwise_quant_kernel import ln_mod_quant_kernel
 

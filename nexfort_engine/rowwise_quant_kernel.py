@@ -171,12 +171,6 @@ def quant_rows_kernel(
 
 
 @triton.jit
-def _ln_chunk(x_row, c: tl.constexpr, D, BLOCK: tl.constexpr):
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    return tl.load(x_row + offs, mask=offs < D, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _ln_mod(v, mean, rstd, m_row, a_row, c: tl.constexpr, D, BLOCK: tl.constexpr, offset):
     """``add + layer_norm(x) * (offset + mult)`` at chunk ``c``, the norm, ``offset + mult`` and the
     result each rounded to the model dtype (``mult``'s, which is ``x``'s) as eager's ops round."""
@@ -204,16 +198,16 @@ def ln_mod_quant_kernel(
     m_row = m_ptr + b * stride_m
     a_row = a_ptr + b * stride_a
     q_row = q_ptr + row * stride_q
-    v0 = _ln_chunk(x_row, 0, D, BLOCK)
+    v0 = _chunk(x_row, 0, D, 0, BLOCK, False, False)
     total = v0
     if NCH > 1:
-        v1 = _ln_chunk(x_row, 1, D, BLOCK)
+        v1 = _chunk(x_row, 1, D, 0, BLOCK, False, False)
         total += v1
     if NCH > 2:
-        v2 = _ln_chunk(x_row, 2, D, BLOCK)
+        v2 = _chunk(x_row, 2, D, 0, BLOCK, False, False)
         total += v2
     if NCH > 3:
-        v3 = _ln_chunk(x_row, 3, D, BLOCK)
+        v3 = _chunk(x_row, 3, D, 0, BLOCK, False, False)
         total += v3
     mean = tl.sum(total, axis=0) / D
     offs = tl.arange(0, BLOCK)
