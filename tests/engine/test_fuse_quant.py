@@ -91,13 +91,17 @@ INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+def _interpreted(script: str) -> list[dict]:
+    """The rows ``script`` prints as JSON, run with Triton's interpreter in a subprocess."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, str(REPO)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @needs_triton
 def test_triton_kernel_matches_twin_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK, str(REPO)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = _interpreted(INTERPRETER_CHECK)
     assert len(rows) == 7 * 3 * 7
     for r in rows:
         assert r["shape_ok"], r
@@ -144,11 +148,7 @@ def test_ln_mod_kernel_matches_twin_interpreted():
     interpreter converts float32 to bfloat16 by truncation, not round-to-nearest-even as the GPU
     and torch do, so scales within 2 %, values within 6 of 448 (test_ln_mod_kernel_on_gpu checks
     bfloat16 properly)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", LN_INTERPRETER_CHECK, str(REPO)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = _interpreted(LN_INTERPRETER_CHECK)
     assert len(rows) == 12 and {r["case"][-1] for r in rows} == {0.0, 1.0}
     for r in rows:
         bf16 = "bfloat16" in r["case"][0]
