@@ -222,18 +222,25 @@ def call_diffusion(
     ctx_len: int = 77,
     seed: int = 0,
     diffusion_model: Callable[..., Any] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Call the diffusion model (or ``diffusion_model``) directly on random inputs of this shape."""
+    """Call the diffusion model (or ``diffusion_model``) directly on random inputs of this shape;
+    ``dtype``: the latent, the context and the model's extra inputs in it (a 16-bit model), the
+    timestep left in float32."""
     spec: Tiny = mp.model.nexfort_tiny
     gen = torch.Generator().manual_seed(seed)
     hl, wl = h // 8, w // 8
     x = torch.randn(batch, spec.latent_channels, hl, wl, generator=gen)
     t = torch.rand(batch, generator=gen) * (999 if spec.name != "flux" else 1.0)
     ctx = torch.randn(batch, ctx_len, spec.context_dim, generator=gen)
+    extra = spec.call_extra(batch, hl, wl)
+    if dtype is not None:
+        x, ctx = x.to(dtype), ctx.to(dtype)
+        extra = {k: v.to(dtype) for k, v in extra.items()}
     fn = diffusion_model if diffusion_model is not None else mp.model.diffusion_model
     # a fresh transformer_options each call: ComfyUI's models write into it (and their default
     # argument is a shared mutable {}), which would otherwise change Dynamo's guards between calls
-    return fn(x, t, ctx, transformer_options={}, **spec.call_extra(batch, hl, wl))
+    return fn(x, t, ctx, transformer_options={}, **extra)
 
 
 def with_diffusion_model(mp: Any, fn: Callable[..., Any]) -> Any:

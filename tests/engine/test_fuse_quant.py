@@ -308,10 +308,6 @@ def test_regional_fp8_flux_takes_block_inputs(comfy_inproc, cache, fresh_stats, 
     monkeypatch.delenv("NEXFORT_CACHE_DIR", raising=False)
     mp = tiny_models.tiny_flux(depth=4, depth_single=4)
     dm = mp.model.diffusion_model.to(torch.bfloat16)
-    spec = mp.model.nexfort_tiny
-    gen = torch.Generator().manual_seed(0)
-    x, t, ctx = torch.randn(1, 16, 8, 8, generator=gen), torch.rand(1, generator=gen), torch.randn(1, 7, 48, generator=gen)
-    extra = {k: v.to(torch.bfloat16) for k, v in spec.call_extra(1, 8, 8).items()}
     outs = []
     for take in (True, False):
         monkeypatch.setattr(fq, "take_ln_mod", take)
@@ -320,7 +316,7 @@ def test_regional_fp8_flux_takes_block_inputs(comfy_inproc, cache, fresh_stats, 
         cm = nexfort_engine.compile(dm, {"backend": "aot_eager", "mode": "O1", "fp8": True, "fused_quant": True},
                                     label=f"ln-mod-regional-{take}")
         with torch.no_grad():
-            outs.append(cm(x.bfloat16(), t, ctx.bfloat16(), transformer_options={}, **extra))
+            outs.append(tiny_models.call_diffusion(mp, 64, 64, ctx_len=7, diffusion_model=cm, dtype=torch.bfloat16))
         rec = fresh_stats()["models"][cm.label]
         # double blocks: image + text qkv inputs and MLPs; single blocks: linear1 input and linear2's cat
         assert rec["fp8_quant_fused"] == (6 if take else 3) and rec["fallbacks"] == 0, rec

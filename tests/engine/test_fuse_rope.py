@@ -233,12 +233,8 @@ def test_regional_fp8_flux_blocks_are_rewritten(comfy_inproc, cache, fresh_stats
     dm = mp.model.diffusion_model.to(torch.bfloat16)  # the op takes 16-bit models
     cm = nexfort_engine.compile(dm, {"backend": "aot_eager", "mode": "O1", "fp8": True, "fused_rope": True},
                                 label="rope-regional-fp8")
-    spec = mp.model.nexfort_tiny
-    gen = torch.Generator().manual_seed(0)
-    x, t, ctx = torch.randn(1, 16, 8, 8, generator=gen), torch.rand(1, generator=gen), torch.randn(1, 7, 48, generator=gen)
-    extra = {k: v.to(torch.bfloat16) for k, v in spec.call_extra(1, 8, 8).items()}
     with torch.no_grad():
-        cm(x.bfloat16(), t, ctx.bfloat16(), transformer_options={}, **extra)
+        tiny_models.call_diffusion(mp, 64, 64, ctx_len=7, diffusion_model=cm, dtype=torch.bfloat16)
     rec = fresh_stats()["models"][cm.label]
     assert rec["regions"] == ["double_blocks[DoubleStreamBlockx4]", "single_blocks[SingleStreamBlockx4]"]
     assert rec["rope_fused"] == 4 and rec["fallbacks"] == 0  # queries and keys of each block class
