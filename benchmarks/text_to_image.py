@@ -423,13 +423,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "cache_dir_was_empty": cache_was_empty,
     }
     if args.compiler == "nexfort":
-        from nexfort_engine import parse_options, rowwise_quant
+        from nexfort_engine import parse_options, rope, rowwise_quant
 
         result["compiler_config_resolved"] = parse_options(args.compiler_config).to_dict()
         result["quant_rows_form"] = rowwise_quant.gpu_form
         result["ln_mod_quant"] = not args.no_ln_mod_quant
-        from nexfort_engine import rope
-
         result["rope_config"] = list(rope.DEFAULT_CONFIG)
 
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .rowwise_quant import triton_available
+from .rowwise_quant import _cdiv, triton_available
 
 __all__ = ["kernel_takes", "rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_available",
            "triton_rms_norm_rope"]
@@ -157,10 +157,6 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     if x.stride(3) != 1 or any(s % 2 for s in x.stride()[:3]) or x.storage_offset() % 2:
         x = x.contiguous()
     return x.view(torch.int32)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @torch.library.custom_op("nexfort::rms_norm_rope", mutates_args=())
