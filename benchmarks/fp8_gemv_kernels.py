@@ -1,18 +1,22 @@
-"""Microbenchmark: single-token fp8 linears (a DiT block's adaLN modulation), ``_scaled_mm`` vs a weight-only Triton product.
+"""Microbenchmark: single-token fp8 linears (a DiT block's adaLN modulation), ``_scaled_mm`` vs weight-only Triton products.
 
 For Flux's modulation linears at batch 1 and 2 (3072 -> 9216 single block, 3072 -> 18432 double
 block) this times, each call replayed from a CUDA graph of ``--calls`` calls (these kernels are
 shorter than a Python call, so eager timing would measure the host):
 
-* ``scaled_mm``: the activation quantized by row, then ``torch._scaled_mm`` with the cached e4m3
-  weight (what the fp8 graphs ran before: cuBLAS picks 128-row tiles for one row);
+* ``scaled_mm``: the activation (``silu(vec)``) quantized by row, then ``torch._scaled_mm`` with
+  the cached e4m3 weight (what the fp8 graphs ran before the weight-only product: cuBLAS picks
+  128-row tiles for one row);
 * ``bf16 linear``: ``F.linear`` with the 16-bit weight (what a bf16 model runs);
-* ``triton BNxBKxWxS``: :func:`benchmarks.fp8_gemv.triton_gemv` (an experiment, not in the engine)
-  for several launch configurations (``auto`` = :data:`benchmarks.fp8_gemv.GEMV_CONFIG`), with its
-  error against the float32 twin.
+* ``engine BNxBKxW``: :func:`nexfort_engine.fp8.triton_gemv` (the weight streamed into registers,
+  silu in the kernel) for several launch configurations (``auto`` = ``fp8.GEMV_CONFIG``);
+* ``dot BNxBKxWxS``: the earlier ``tl.dot`` experiment, :func:`benchmarks.fp8_gemv.triton_gemv`
+  (``auto`` only), with silu as its own kernel;
 
-Each case replays the same weight, which then stays in L2 (28-56 MB of e4m3 against the H200's
-L2): the kernel times here are better than in a model, where the weights come from memory.
+each with its error against the float32 twin. These cases replay the same weight, which then stays
+in L2 (28-56 MB of e4m3 against the H200's L2). The ``flux step`` case is what a model sees: the 76
+modulation products of one Flux step (19 double blocks x 2, 38 single blocks), each with its own
+weight (3.2 GB of e4m3: from memory), replayed as one graph; its ``us`` is per step.
 
 GB/s counts the e4m3 weight read once (the bf16 row: the 16-bit weight).
 
@@ -37,25 +41,37 @@ from benchmarks import (
 )
 from nexfort_engine import fp8  # noqa: E402
 
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages)
-CONFIGS = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3), (64, 128, 4, 4),
-           (64, 256, 4, 4), (64, 256, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3)]
+#: the engine kernel's (BLOCK_N, BLOCK_K, num_warps)
+CONFIGS = [(4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4),
+           (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8)]
 #: name -> (rows, in features, out features)
 CASES: dict[str, tuple[int, int, int]] = {
     "flux single-block modulation, batch 1": (1, 3072, 9216),
     "flux double-block modulation, batch 1": (1, 3072, 18432),
     "flux double-block modulation, batch 2": (2, 3072, 18432),
 }
+STEP = "flux step: 76 modulation products, distinct weights"
 
 
-def measure(name: str, calls: int) -> dict[str, Any]:
+@torch.compile(dynamic=False)
+def _silu_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu + the rowwise quantization as one Inductor kernel, as the model's graph runs it."""
+    return fp8.quantize_rowwise(F.silu(x))
+
+
+def _silu_quant_mm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    xq, sx = _silu_quant(x)
+    return fp8._scaled_mm(xq, wq, sx, ws, b)
+
+
+def measure(name: str, calls: int, configs: list[tuple[int, int, int]]) -> dict[str, Any]:
     m, k, n = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     wq, ws = fp8.quantize_rowwise(w)
-    ref = fp8_gemv.torch_gemv(x, wq, ws, b).float()
+    ref = fp8.torch_gemv(x.float(), wq, ws, b.float(), "silu")
     row: dict[str, Any] = {"case": name, "rows": m, "k": k, "n": n}
 
     def record(label: str, fn: Callable[[], torch.Tensor], nbytes: int) -> None:
@@ -64,29 +80,58 @@ def measure(name: str, calls: int) -> dict[str, Any]:
         row[label] = {"us": round(seconds * 1e6, 2), "GB/s": round(nbytes / seconds / 1e9, 1),
                       "max_rel_err": round(float((out.float() - ref).abs().max() / ref.abs().max()), 5)}
 
-    def scaled() -> torch.Tensor:
-        xq, sx = fp8.quantize_rowwise(x)
-        return fp8._scaled_mm(xq, wq, sx, ws, b)
-
-    record("scaled_mm", scaled, wq.numel())
-    record("bf16 linear", lambda: F.linear(x, w, b), w.numel() * 2)
-    for config in [None, *CONFIGS]:
-        label = "triton " + "x".join(map(str, config or fp8_gemv.GEMV_CONFIG)) + (" (auto)" if config is None else "")
-        if config == fp8_gemv.GEMV_CONFIG:
+    record("scaled_mm", lambda: _silu_quant_mm(x, wq, ws, b), wq.numel())
+    record("bf16 linear", lambda: F.linear(F.silu(x), w, b), w.numel() * 2)
+    record("dot " + "x".join(map(str, fp8_gemv.GEMV_CONFIG)) + " (auto)",
+           lambda: fp8_gemv.triton_gemv(F.silu(x), wq, ws, b), wq.numel())
+    for config in [None, *configs]:
+        if config == fp8.GEMV_CONFIG:
             continue
-        record(label, lambda config=config: fp8_gemv.triton_gemv(x, wq, ws, b, config=config), wq.numel())
+        label = "engine " + "x".join(map(str, config or fp8.GEMV_CONFIG)) + (" (auto)" if config is None else "")
+        record(label, lambda config=config: fp8.triton_gemv(x, wq, ws, b, "silu", config=config), wq.numel())
+    return row
+
+
+def measure_step(configs: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """One Flux step's modulation products over distinct weights (the model's memory traffic)."""
+    k = 3072
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = []
+    for n in [18432] * 38 + [9216] * 38:
+        wq, ws = fp8.quantize_rowwise(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02)
+        weights.append((wq, ws, torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)))
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    nbytes = sum(wq.numel() for wq, _, _ in weights)
+    row: dict[str, Any] = {"case": STEP, "products": len(weights), "weight_GB": round(nbytes / 1e9, 3)}
+
+    def record(label: str, one: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        seconds = metrics.time_graph(lambda: [one(*wt) for wt in weights], 1)
+        row[label] = {"us": round(seconds * 1e6, 1), "GB/s": round(nbytes / seconds / 1e9, 1)}
+
+    record("scaled_mm", lambda wq, ws, b: _silu_quant_mm(x, wq, ws, b))
+    record("dot " + "x".join(map(str, fp8_gemv.GEMV_CONFIG)) + " (auto)",
+           lambda wq, ws, b: fp8_gemv.triton_gemv(F.silu(x), wq, ws, b))
+    for config in [None, *configs]:
+        if config == fp8.GEMV_CONFIG:
+            continue
+        label = "engine " + "x".join(map(str, config or fp8.GEMV_CONFIG)) + (" (auto)" if config is None else "")
+        record(label, lambda wq, ws, b, config=config: fp8.triton_gemv(x, wq, ws, b, "silu", config=config))
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--no-sweep", action="store_true", help="the default configuration only")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.stderr.write("fp8_gemv_kernels needs a CUDA device\n")
         return 2
-    metrics.run_kernel_cases(list(CASES), lambda name: measure(name, a.calls), a.output_json)
+    configs = [] if a.no_sweep else CONFIGS
+    metrics.run_kernel_cases([STEP, *CASES],
+                             lambda name: measure_step(configs) if name == STEP else measure(name, a.calls, configs),
+                             a.output_json)
     return 0
 
 

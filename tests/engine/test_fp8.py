@@ -637,3 +637,114 @@ def test_auto_fp8_width_of_the_released_architectures(comfy_inproc, family, widt
     model = config.get_model(dict(spec.detect_state_dict), "", device=torch.device("meta"))
     assert fp8_mod.model_width(model.diffusion_model) == width
     assert fp8_mod.pays_off(model.diffusion_model) is pays
+
+
+# -- single-token linears: weight-only fp8 (nexfort::fp8_gemv_cached)
+
+GEMV_INTERPRETER_CHECK = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from nexfort_engine.fp8 import quantize_rowwise, torch_gemv, triton_gemv
+torch.manual_seed(0)
+rows = []
+for dtype in (torch.bfloat16, torch.float16):
+    for m, n, k, bias, prologue in [(1, 96, 64, True, "none"), (3, 80, 300, False, "silu"), (4, 48, 256, True, "silu"),
+                                    (2, 40, 100, True, "none")]:
+        wq, ws = quantize_rowwise(torch.randn(n, k, dtype=dtype))
+        x = torch.randn(m, k + 7, dtype=dtype)[:, 2:2 + k]  # strided rows
+        b = torch.randn(n, dtype=dtype) if bias else None
+        out = triton_gemv(x, wq, ws, b, prologue, config=(16, 64, 4))
+        ref = torch_gemv(x, wq, ws, b, prologue)
+        rows.append({"case": [str(dtype), m, n, k, bias, prologue],
+                     "shape_ok": list(out.shape) == [m, n] and out.dtype == dtype,
+                     "err": float((out.float() - ref.float()).abs().max()), "max": float(ref.float().abs().max())})
+print(json.dumps(rows))
+"""
+
+
+def test_gemv_kernel_matches_twin_interpreted():
+    """Odd sizes (masks on features and on K), one to four rows, strided rows, with and without bias,
+    with and without the silu prologue, against the float32 twin: the sums' order differs and the
+    output's cast rounds, so bfloat16 within two of its steps at the largest magnitude, float16 to
+    1e-3 relative (the interpreter's silu takes another exponential than torch's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", GEMV_INTERPRETER_CHECK, str(repo)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8
+    for r in rows:
+        assert r["shape_ok"], r
+        assert r["err"] <= (2 * 2**-7 if "bfloat16" in r["case"][0] else 1e-3) * r["max"], r
+
+
+def test_gemv_rejects_bad_prologue_and_too_many_rows():
+    wq, ws = quantize_rowwise(torch.randn(32, 16))
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'none', 'silu'"):
+        fp8_mod.torch_gemv(x, wq, ws, None, "gelu")
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        fp8_mod.triton_gemv(torch.randn(5, 16, dtype=torch.bfloat16), wq, ws, None)
+
+
+def test_single_token_linears_take_the_weight_only_product(cache):
+    """A [B, 1, K] input (ComfyUI's Flux ``Modulation``: ``silu(vec[:, None, :])``) is not quantized:
+    the cached e4m3 weight against the 16-bit activation (CPU: the twin), more accurate than the
+    quantized product; token-wise inputs keep ``fp8_mm_cached``."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    b = torch.randn(96, dtype=torch.bfloat16)
+    x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
+    assert fp8_mod.single_token(x) and not fp8_mod.single_token(torch.randn(2, 3, 64)) and not fp8_mod.single_token(x[0])
+    assert not fp8_mod.single_token(x.float())  # float32 models keep the quantized product
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad(), Fp8LinearMode():
+        out = torch.compile(lambda x: F.linear(x, w, b), backend=backend, dynamic=True)(x)
+    assert torch.ops.nexfort.fp8_gemv_cached.default in targets and FP8_OP not in targets
+    wq, ws = quantize_rowwise(w)
+    want = fp8_mod.torch_gemv(x.reshape(2, 64), wq, ws, b).reshape(2, 1, 96)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    exact = F.linear(x.float(), w.float(), b.float())
+    assert rel_l2(out, exact) < rel_l2(fp8_linear_reference(x, w, b), exact)
+    fp8_mod.gemv_single_tokens = False
+    try:
+        assert not torch.equal(fp8_linear_cached(x, w, b), out)  # the quantized product when turned off
+    finally:
+        fp8_mod.gemv_single_tokens = True
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_supported("cuda"), reason="needs a CUDA GPU with fp8 (sm89+)")
+@pytest.mark.parametrize("m, n, k, prologue", [(1, 9216, 3072, "silu"), (2, 18432, 3072, "none"),
+                                               (3, 1152, 1152, "silu"), (8, 3072, 3072, "silu")])
+def test_gemv_on_gpu(m, n, k, prologue):
+    """float32 products of exact e4m3 weights, float32 sums: the twin's values to the output's
+    rounding (two bfloat16 steps; the sums' order differs). Eight rows take ``_scaled_mm`` (the
+    rows quantized): its own error bound."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    wq, ws = quantize_rowwise(w)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = fp8_mod.torch_gemv(x, wq, ws, b, prologue)
+    if m <= fp8_mod.GEMV_MAX_ROWS:
+        out = fp8_mod.triton_gemv(x, wq, ws, b, prologue)
+        err = (out.float() - ref.float()).abs()
+        assert bool((err <= ref.float().abs() * 2**-7 + 1e-2).all()), float(err.max())
+    fp8_mod.CACHE.refresh([w])
+    out = torch.ops.nexfort.fp8_gemv_cached(x, w, b, prologue)
+    assert rel_l2(out, ref) < (1e-3 if m <= fp8_mod.GEMV_MAX_ROWS else 0.06)
