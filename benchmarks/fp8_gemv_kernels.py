@@ -8,8 +8,9 @@ shorter than a Python call, so eager timing would measure the host):
   the cached e4m3 weight (what the fp8 graphs ran before the weight-only product: cuBLAS picks
   128-row tiles for one row);
 * ``bf16 linear``: ``F.linear`` with the 16-bit weight (what a bf16 model runs);
-* ``engine BNxBKxW``: :func:`nexfort_engine.fp8.triton_gemv` (the weight streamed into registers,
-  silu in the kernel) for several launch configurations (``auto`` = ``fp8.GEMV_CONFIG``);
+* ``rows BNxBKxW``: :func:`benchmarks.fp8_gemv.triton_gemv_rows` (the register-only form, silu in
+  the kernel) for several launch configurations (``auto`` = ``fp8_gemv.ROWS_CONFIG``; run98 called
+  these ``engine``: the form was in the engine for that run);
 * ``dot BNxBKxWxS``: the earlier ``tl.dot`` experiment, :func:`benchmarks.fp8_gemv.triton_gemv`
   (``auto`` only), with silu as its own kernel;
 
@@ -41,7 +42,7 @@ from benchmarks import (
 )
 from nexfort_engine import fp8  # noqa: E402
 
-#: the engine kernel's (BLOCK_N, BLOCK_K, num_warps)
+#: the register-only kernel's (BLOCK_N, BLOCK_K, num_warps)
 CONFIGS = [(4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 4),
            (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8)]
 #: name -> (rows, in features, out features)
@@ -71,7 +72,7 @@ def measure(name: str, calls: int, configs: list[tuple[int, int, int]]) -> dict[
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     wq, ws = fp8.quantize_rowwise(w)
-    ref = fp8.torch_gemv(x.float(), wq, ws, b.float(), "silu")
+    ref = fp8_gemv.torch_gemv(x.float(), wq, ws, b.float(), "silu")
     row: dict[str, Any] = {"case": name, "rows": m, "k": k, "n": n}
 
     def record(label: str, fn: Callable[[], torch.Tensor], nbytes: int) -> None:
@@ -85,10 +86,10 @@ def measure(name: str, calls: int, configs: list[tuple[int, int, int]]) -> dict[
     record("dot " + "x".join(map(str, fp8_gemv.GEMV_CONFIG)) + " (auto)",
            lambda: fp8_gemv.triton_gemv(F.silu(x), wq, ws, b), wq.numel())
     for config in [None, *configs]:
-        if config == fp8.GEMV_CONFIG:
+        if config == fp8_gemv.ROWS_CONFIG:
             continue
-        label = "engine " + "x".join(map(str, config or fp8.GEMV_CONFIG)) + (" (auto)" if config is None else "")
-        record(label, lambda config=config: fp8.triton_gemv(x, wq, ws, b, "silu", config=config), wq.numel())
+        label = "rows " + "x".join(map(str, config or fp8_gemv.ROWS_CONFIG)) + (" (auto)" if config is None else "")
+        record(label, lambda config=config: fp8_gemv.triton_gemv_rows(x, wq, ws, b, "silu", config=config), wq.numel())
     return row
 
 
@@ -112,10 +113,10 @@ def measure_step(configs: list[tuple[int, int, int]]) -> dict[str, Any]:
     record("dot " + "x".join(map(str, fp8_gemv.GEMV_CONFIG)) + " (auto)",
            lambda wq, ws, b: fp8_gemv.triton_gemv(F.silu(x), wq, ws, b))
     for config in [None, *configs]:
-        if config == fp8.GEMV_CONFIG:
+        if config == fp8_gemv.ROWS_CONFIG:
             continue
-        label = "engine " + "x".join(map(str, config or fp8.GEMV_CONFIG)) + (" (auto)" if config is None else "")
-        record(label, lambda wq, ws, b, config=config: fp8.triton_gemv(x, wq, ws, b, "silu", config=config))
+        label = "rows " + "x".join(map(str, config or fp8_gemv.ROWS_CONFIG)) + (" (auto)" if config is None else "")
+        record(label, lambda wq, ws, b, config=config: fp8_gemv.triton_gemv_rows(x, wq, ws, b, "silu", config=config))
     return row
 
 

@@ -347,6 +347,30 @@ def idle_gaps(events: Any, steps: int, top: int = 8, min_us: float = 20.0) -> di
     }
 
 
+def calls_by_position(events: Any, names: Iterable[str], steps: int, max_calls: int = 80) -> dict[str, list[float]]:
+    """For each kernel in ``names`` that runs a whole number of times per step (at most
+    ``max_calls``): its mean duration in microseconds at each position within a step (the i-th call
+    of every step), from a profiler's event list. Says whether one kernel runs slower in some
+    blocks than in others (e.g. Flux's attention in double vs single blocks)."""
+    steps = max(steps, 1)
+    wanted = set(names)
+    calls: dict[str, list[float]] = {}
+    for e in sorted((e for e in events if _is_device_event(e) and str(e.name) in wanted),
+                    key=lambda e: float(e.time_range.start)):
+        calls.setdefault(str(e.name), []).append(float(e.time_range.end) - float(e.time_range.start))
+    out: dict[str, list[float]] = {}
+    for name, durations in calls.items():
+        per_step, extra = divmod(len(durations), steps)
+        if not 0 < per_step <= max_calls or extra > per_step // 2:
+            continue
+        # a call or two outside the sampling loop (a warm-up, a final decode) come first: the loop's
+        # calls are the last ``per_step * steps``
+        durations = durations[-per_step * steps:]
+        out[name[:160]] = [round(sum(durations[s * per_step + i] for s in range(steps)) / steps, 1)
+                           for i in range(per_step)]
+    return out
+
+
 def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: bool = True) -> dict[str, Any]:
     """GPU kernel time of one profiled sampling run, per step: by category and the top kernels
     (``cuda=False``: self CPU time of the ``aten::`` ops instead, for CPU runs).
@@ -387,6 +411,8 @@ def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: 
                            if category[n] == "triton" or n.startswith("triton_")},
         # where the GPU waited between kernels, and what the host ran meanwhile (GPU runs only)
         "idle_gaps": idle_gaps(prof.events(), steps) if cuda else {},
+        # the largest kernels' durations by position within a step (GPU runs only)
+        "calls_by_position": calls_by_position(prof.events(), [n for n, _ in ranked[:6]], steps) if cuda else {},
     }
 
 

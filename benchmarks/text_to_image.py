@@ -84,8 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the form nexfort::quant_rows runs on the GPU (default: the engine's; A/B comparisons)")
     p.add_argument("--no-ln-mod-quant", action="store_true",
                    help="fp8 graphs: leave the LayerNorm + modulation inputs to Inductor (A/B comparisons)")
-    p.add_argument("--no-fp8-gemv", action="store_true",
-                   help="fp8 graphs: single-token linears quantized like the others (A/B comparisons)")
     p.add_argument("--rope-config", default=None, metavar="BLOCK_RxWARPS",
                    help="nexfort::rms_norm_rope's launch configuration, e.g. 32x4 (default: the engine's; A/B comparisons)")
     p.add_argument("--output-json", type=Path, default=None)
@@ -390,10 +388,6 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from nexfort_engine.passes import fuse_quant
 
         fuse_quant.take_ln_mod = False
-    if args.no_fp8_gemv:
-        from nexfort_engine import fp8
-
-        fp8.gemv_single_tokens = False
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny on CPU)")
@@ -434,7 +428,6 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         result["compiler_config_resolved"] = parse_options(args.compiler_config).to_dict()
         result["quant_rows_form"] = rowwise_quant.gpu_form
         result["ln_mod_quant"] = not args.no_ln_mod_quant
-        result["fp8_gemv"] = not args.no_fp8_gemv
         result["rope_config"] = list(rope.DEFAULT_CONFIG)
 
     t0 = time.perf_counter()

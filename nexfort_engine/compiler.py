@@ -137,7 +137,6 @@ class CompiledModule(torch.nn.Module):
         self._nx_group_norms = 0
         #: fp8 activation quantizations fused with their producers (passes/fuse_quant.py)
         self._nx_fused_quants = 0
-        self._nx_fused_gemv_prologues = 0
         self._nx_fused_ropes = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
@@ -179,14 +178,11 @@ class CompiledModule(torch.nn.Module):
             self._nx_group_norms += n
             counters.set_info(self._nx_label, group_norms_rewritten=self._nx_group_norms)
         if self._nx_settings is not None and self._nx_settings.fused_quant:
-            from .passes.fuse_quant import rewrite_gemv_prologues, rewrite_quantizations
+            from .passes.fuse_quant import rewrite_quantizations
 
             if n := rewrite_quantizations(gm):
                 self._nx_fused_quants += n
                 counters.set_info(self._nx_label, fp8_quant_fused=self._nx_fused_quants)
-            if n := rewrite_gemv_prologues(gm):
-                self._nx_fused_gemv_prologues += n
-                counters.set_info(self._nx_label, fp8_gemv_silu_fused=self._nx_fused_gemv_prologues)
         if self._nx_settings is not None and self._nx_settings.fused_rope:
             from .passes.fuse_rope import rewrite_ropes
 

@@ -53,8 +53,6 @@ class _Record:
     group_norms_rewritten: int = 0
     #: fp8 activation quantizations fused with their GELU/GEGLU/concat producers (passes/fuse_quant.py)
     fp8_quant_fused: int = 0
-    #: single-token fp8 products (adaLN modulation) that apply their silu themselves (passes/fuse_quant.py)
-    fp8_gemv_silu_fused: int = 0
     #: query/key RMSNorm + rotary embeddings fused into one op (passes/fuse_rope.py)
     rope_fused: int = 0
     #: conv weights converted to channels-last outside the graph so far (weight_layout.py)
@@ -78,7 +76,6 @@ class _Record:
             spatial_multiple=self.spatial_multiple,
             group_norms_rewritten=self.group_norms_rewritten,
             fp8_quant_fused=self.fp8_quant_fused,
-            fp8_gemv_silu_fused=self.fp8_gemv_silu_fused,
             rope_fused=self.rope_fused,
             channels_last_weights=self.channels_last_weights,
             updated=self.updated,

@@ -62,7 +62,6 @@ __all__ = [
     "clear_cache",
     "eligible",
     "fp8_linear",
-    "fp8_gemv_cached",
     "fp8_linear_cached",
     "fp8_linear_reference",
     "fp8_supported",
@@ -70,9 +69,6 @@ __all__ = [
     "pays_off",
     "quantize_rowwise",
     "scale_rowwise",
-    "single_token",
-    "torch_gemv",
-    "triton_gemv",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -506,103 +502,10 @@ def _(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, bias: torch
     return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=torch.bfloat16)
 
 
-#: rows up to which the weight-only kernel runs a single-token linear (one program holds them all);
-#: more rows (a large batch) take the quantized rows and ``_scaled_mm``
-GEMV_MAX_ROWS = 4
-#: (BLOCK_N, BLOCK_K, num_warps) of the weight-only kernel
-GEMV_CONFIG = (8, 512, 4)
-#: whether single-token linears take :func:`fp8_gemv_cached` (the benchmark's ``--no-fp8-gemv``
-#: turns it off to compare both in one process)
-gemv_single_tokens = True
-#: prologues :func:`fp8_gemv_cached` applies to its rows before the product
-GEMV_PROLOGUES = ("none", "silu")
-
-
-def single_token(x: torch.Tensor) -> bool:
-    """Whether ``x`` [..., 1, K] has one token per sample, statically (a size-1 dimension is
-    specialized by Dynamo, so the decision holds under dynamic shape): the adaLN modulation of DiT
-    blocks (ComfyUI's Flux ``Modulation`` runs its linear on ``silu(vec[:, None, :])``)."""
-    return (x.dim() >= 3 and isinstance(x.shape[-2], int) and x.shape[-2] == 1
-            and x.dtype in (torch.float16, torch.bfloat16))
-
-
-def _prologue(x2: torch.Tensor, prologue: str) -> torch.Tensor:
-    if prologue not in GEMV_PROLOGUES:
-        raise ValueError(f"fp8_gemv_cached: prologue must be one of {GEMV_PROLOGUES}, got {prologue!r}")
-    return F.silu(x2) if prologue == "silu" else x2
-
-
-def torch_gemv(x2: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               prologue: str = "none") -> torch.Tensor:
-    """The weight-only fp8 product's reference: ``(p(x) @ wq.T) * scale + bias`` in float32, in
-    ``x``'s dtype (x [M, K] 16-bit, wq [N, K] e4m3, w_scale [N, 1]; ``p`` the prologue, computed in
-    ``x``'s dtype like the eager graph)."""
-    out = (_prologue(x2, prologue).float() @ wq.float().t()) * w_scale.t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x2.dtype)
-
-
-def triton_gemv(
-    x2: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-    prologue: str = "none", config: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """:func:`torch_gemv` in one Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``) for up
-    to :data:`GEMV_MAX_ROWS` rows: the weight streamed once into registers, no tensor cores
-    (:mod:`nexfort_engine.fp8_gemv_kernel`)."""
-    from .fp8_gemv_kernel import fp8_gemv_kernel
-
-    _prologue(x2[:0], prologue)  # validates the name
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, k = x2.shape
-    n = wq.shape[0]
-    if m > GEMV_MAX_ROWS:
-        raise ValueError(f"triton_gemv: at most {GEMV_MAX_ROWS} rows, got {m}")
-    out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    if m == 0:
-        return out
-    block_n, block_k, warps = config or GEMV_CONFIG
-    fp8_gemv_kernel[(-(-n // block_n), 1)](
-        x2, wq.contiguous(), w_scale.reshape(-1), bias if bias is not None else w_scale, out,
-        m, n, k, x2.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SILU=prologue == "silu",
-        BLOCK_M=1 << (m - 1).bit_length(), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-    )
-    return out
-
-
-@torch.library.custom_op("nexfort::fp8_gemv_cached", mutates_args=())
-def fp8_gemv_cached(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    prologue: str = "none") -> torch.Tensor:
-    """``p(x2) [M, K]`` (16-bit, one row per sample) times ``weight [N, K]``'s cached rowwise e4m3
-    copy, the activation not quantized: ``[M, N]`` in ``x2``'s dtype, ``bias`` added; ``p`` is
-    ``prologue`` (``"none"`` or ``"silu"``). For single-token linears (the adaLN modulation of DiT
-    blocks), where ``_scaled_mm``'s 128-row tiles read the weight at about 40 % of memory speed.
-    More than :data:`GEMV_MAX_ROWS` rows go through the quantized rows and ``_scaled_mm``."""
-    wq, w_scale = CACHE.lookup(weight)
-    if x2.is_cuda and x2.shape[0] <= GEMV_MAX_ROWS:
-        return triton_gemv(x2, wq, w_scale, bias, prologue)
-    if x2.is_cuda:
-        xq, sx = quantize_rowwise(_prologue(x2, prologue))
-        out = _scaled_mm(xq, wq, sx, w_scale, bias if _fused_bias(x2, bias) else None)
-        return _epilogue(out, x2, bias, _fused_bias(x2, bias), tuple(out.shape))
-    return torch_gemv(x2, wq, w_scale, bias, prologue)
-
-
-@fp8_gemv_cached.register_fake
-def _(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: str = "none") -> torch.Tensor:
-    return x2.new_empty((x2.shape[0], weight.shape[0]))
-
-
 def fp8_linear_cached(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fp8_linear` with the weight's quantization taken from :data:`CACHE` (the same
-    numbers): only the activation is quantized here, in the caller's graph. A single-token input
-    (:func:`single_token`) is not quantized at all: :func:`fp8_gemv_cached` streams the cached
-    weight against the 16-bit activation."""
+    numbers): only the activation is quantized here, in the caller's graph."""
     x2, out_shape = _flatten(x, weight)
-    if gemv_single_tokens and single_token(x):
-        return fp8_gemv_cached(x2, weight, bias).reshape(out_shape)
     xq, sx = quantize_rowwise(x2)
     fused = _fused_bias(x, bias)
     out = fp8_mm_cached(xq.contiguous(), sx, weight, bias if fused else None)

@@ -87,8 +87,6 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", {m['channels_last_weights']} conv weights made channels-last"
         if m.get("fp8_quant_fused"):
             how += f", {m['fp8_quant_fused']} fp8 quantizations fused with their producers"
-        if m.get("fp8_gemv_silu_fused"):
-            how += f", {m['fp8_gemv_silu_fused']} modulation silus fused into their fp8 products"
         if m.get("rope_fused"):
             how += f", {m['rope_fused']} query/key norm + rotary embeddings fused"
         if m.get("fp8_skipped") and not m.get("fp8"):

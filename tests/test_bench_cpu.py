@@ -250,6 +250,30 @@ def test_idle_gaps():
     assert idle_gaps([ev("k1", 0, 1)], steps=1) == {} and idle_gaps([], steps=1) == {}
 
 
+def test_calls_by_position():
+    """Mean duration of each call position within a step: two steps of attention (two blocks of one
+    kind, then one of another); a kernel whose calls do not divide into the steps is left out."""
+    from types import SimpleNamespace as NS
+
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.metrics import calls_by_position
+    finally:
+        sys.path.remove(str(REPO))
+
+    def ev(name, start, end, device="DeviceType.CUDA"):
+        return NS(name=name, time_range=NS(start=start, end=end), device_type=device)
+
+    events = [ev("attn", -50, -1),  # a call before the sampling loop
+              ev("attn", 0, 10), ev("attn", 20, 32), ev("attn", 40, 60),  # step 1
+              ev("attn", 100, 110), ev("attn", 120, 130), ev("attn", 140, 162),  # step 2
+              ev("odd", 0, 1), ev("odd", 2, 3), ev("odd", 4, 5),
+              ev("attn", 200, 300, "DeviceType.CPU")]
+    # "odd": 3 calls over 2 steps is not one per step plus a few outside the loop
+    assert calls_by_position(events, ["attn", "odd"], steps=2) == {"attn": [10.0, 11.0, 21.0]}
+    assert calls_by_position(events, ["attn"], steps=2, max_calls=2) == {}
+
+
 def test_unet_call_tool_reports_the_fold_and_the_generated_code(tmp_path):
     """benchmarks/unet_call.py (compiler-side A/B outside the sampler) with the eager backend: it
     runs, the fold is on by default and off with spatial_multiple 1, one graph over two sizes."""

@@ -1,6 +1,6 @@
-"""The weight-only fp8 product of ``benchmarks/fp8_gemv.py`` (single-token linears; measured on an
-H200 and not shipped: BENCHMARKS.md, thirteenth session): its Triton kernel against its torch twin,
-so the benchmark's numbers stay about a correct kernel.
+"""The weight-only fp8 products of ``benchmarks/fp8_gemv.py`` (single-token linears; measured on an
+H200 and not shipped: BENCHMARKS.md, thirteenth and fourteenth sessions): its two Triton kernels
+against their torch twin, so the benchmark's numbers stay about correct kernels.
 
 Run by Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be set before Triton
 builds the kernel), where the kernel multiplies in float32 (the interpreter's bfloat16 ``tl.dot``
@@ -54,6 +54,53 @@ def test_gemv_kernel_matches_twin_interpreted():
         assert r["err"] <= (2 * 2**-7 if "bfloat16" in r["case"][0] else 1e-5) * r["max"], r
 
 
+ROWS_CHECK = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from benchmarks.fp8_gemv import torch_gemv, triton_gemv_rows
+from nexfort_engine.fp8 import quantize_rowwise
+torch.manual_seed(0)
+rows = []
+for dtype in (torch.bfloat16, torch.float16):
+    for m, n, k, bias, prologue in [(1, 96, 64, True, "none"), (3, 80, 300, False, "silu"), (4, 48, 256, True, "silu")]:
+        wq, ws = quantize_rowwise(torch.randn(n, k, dtype=dtype))
+        x = torch.randn(m, k + 7, dtype=dtype)[:, 2:2 + k]  # strided rows
+        b = torch.randn(n, dtype=dtype) if bias else None
+        out = triton_gemv_rows(x, wq, ws, b, prologue, config=(16, 64, 4))
+        ref = torch_gemv(x, wq, ws, b, prologue)
+        rows.append({"case": [str(dtype), m, n, k, bias, prologue],
+                     "shape_ok": list(out.shape) == [m, n] and out.dtype == dtype,
+                     "err": float((out.float() - ref.float()).abs().max()), "max": float(ref.float().abs().max())})
+print(json.dumps(rows))
+"""
+
+
+def test_register_form_matches_twin_interpreted():
+    """The register-only kernel: masks on features and K, one to four rows, strided rows, with and
+    without bias and the silu prologue. The sums' order differs and the output's cast rounds:
+    bfloat16 within two of its steps at the largest magnitude, float16 to 1e-3 relative."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-c", ROWS_CHECK, str(REPO)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6
+    for r in rows:
+        assert r["shape_ok"], r
+        assert r["err"] <= (2 * 2**-7 if "bfloat16" in r["case"][0] else 1e-3) * r["max"], r
+
+
+def test_register_form_rejects_bad_arguments():
+    from benchmarks.fp8_gemv import torch_gemv, triton_gemv_rows
+    from nexfort_engine.fp8 import quantize_rowwise
+
+    wq, ws = quantize_rowwise(torch.randn(32, 16))
+    with pytest.raises(ValueError, match="'none' or 'silu'"):
+        torch_gemv(torch.randn(2, 16), wq, ws, None, "gelu")
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        triton_gemv_rows(torch.randn(5, 16, dtype=torch.bfloat16), wq, ws, None)
+
+
 def test_twin_is_more_accurate_than_the_quantized_product():
     from benchmarks.fp8_gemv import torch_gemv
     from nexfort_engine.fp8 import fp8_linear_reference, quantize_rowwise
@@ -80,5 +127,21 @@ def test_gemv_kernel_on_gpu(m, n, k):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
     out, ref = triton_gemv(x, wq, ws, b), torch_gemv(x, wq, ws, b)
+    err = (out.float() - ref.float()).abs()
+    assert bool((err <= ref.float().abs() * 2**-7 + 1e-2).all()), float(err.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m, n, k, prologue", [(1, 9216, 3072, "silu"), (2, 18432, 3072, "none"), (3, 1152, 1152, "silu")])
+def test_register_form_on_gpu(m, n, k, prologue):
+    from benchmarks.fp8_gemv import torch_gemv, triton_gemv_rows
+    from nexfort_engine.fp8 import quantize_rowwise
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wq, ws = quantize_rowwise(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, ref = triton_gemv_rows(x, wq, ws, b, prologue), torch_gemv(x, wq, ws, b, prologue)
     err = (out.float() - ref.float()).abs()
     assert bool((err <= ref.float().abs() * 2**-7 + 1e-2).all()), float(err.max())

@@ -45,7 +45,7 @@ from torch import fx
 
 from .. import rowwise_quant  # noqa: F401 - registers nexfort::quant_rows
 
-__all__ = ["DEFAULT_MIN_WIDTH", "Match", "find_matches", "rewrite_gemv_prologues", "rewrite_quantizations"]
+__all__ = ["DEFAULT_MIN_WIDTH", "Match", "find_matches", "rewrite_quantizations"]
 
 log = logging.getLogger(__name__)
 
@@ -348,57 +348,6 @@ def rewrite_quantizations(gm: fx.GraphModule, min_width: int | None = None) -> i
     gm.recompile()
     log.debug("nexfort: %d fp8 quantization(s) fused with their producers", len(matches))
     return len(matches)
-
-
-_SILU = tuple(f for f in (F.silu, torch.nn.functional.silu, getattr(torch, "silu", None), torch._C._nn.silu)
-              if f is not None)
-
-
-def _silu_input(node: Any) -> fx.Node | None:
-    """``v`` when ``node`` is ``silu(v)`` (not in place), else None."""
-    if _is_call(node, _SILU) and not _arg(node, 1, "inplace", False):
-        v = node.args[0] if node.args else node.kwargs.get("input")
-    elif _is_method(node, "silu"):
-        v = node.args[0]
-    else:
-        return None
-    return v if isinstance(v, fx.Node) else None
-
-
-def rewrite_gemv_prologues(gm: fx.GraphModule) -> int:
-    """Fold ``silu`` into the single-token fp8 products that read it: ``fp8_gemv_cached(silu(v)
-    .reshape(-1, K), w, b)`` becomes ``fp8_gemv_cached(v.reshape(-1, K), w, b, "silu")`` (the adaLN
-    modulation of Flux-family blocks: ``lin(silu(vec))``). The kernel computes the same silu,
-    rounded to the activation's dtype as the graph rounds it, so the values are the same, and the
-    separate kernel (one per block) is gone. Returns how many were rewritten."""
-    gemv = torch.ops.nexfort.fp8_gemv_cached.default
-    graph = gm.graph
-    dead: list[fx.Node] = []
-    count = 0
-    for node in list(graph.nodes):
-        if not _is_call(node, (gemv,)) or _arg(node, 3, "prologue", "none") != "none":
-            continue
-        flat = node.args[0]
-        if not (_is_method(flat, "reshape") or _is_method(flat, "view")) or len(flat.args) != 3:
-            continue
-        v = _silu_input(flat.args[0])
-        width = _static_width(flat)
-        if v is None or width is None or _static_width(v) != width:
-            continue
-        with graph.inserting_before(node):
-            v2 = graph.call_method("reshape", (v, -1, width))
-            _fake_meta(v2, lambda t, *s: t.reshape(*s), v, -1, width)
-        args = list(node.args) + [None] * (3 - len(node.args))
-        node.args = (v2, args[1], node.kwargs.get("bias", args[2]), "silu")
-        node.kwargs = {}
-        dead += [flat, flat.args[0]]
-        count += 1
-    if count:
-        _erase_dead(dead)
-        graph.lint()
-        gm.recompile()
-        log.debug("nexfort: silu folded into %d single-token fp8 product(s)", count)
-    return count
 
 
 def _erase_dead(nodes: list[fx.Node]) -> None:

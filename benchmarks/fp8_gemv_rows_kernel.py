@@ -1,16 +1,14 @@
-"""The Triton kernel behind :func:`nexfort_engine.fp8.triton_gemv` (single-token fp8 linears).
+"""The register-only Triton kernel behind :func:`benchmarks.fp8_gemv.triton_gemv_rows` (an
+experiment, measured and not shipped: see that module).
 
 ``out [M, N] = (p(x) [M, K] @ dequant(wq [N, K]).T) * w_scale [N] + bias [N]`` for one to four
 rows ``x``, where ``p`` is the prologue (``SILU``: ``silu(x)`` rounded to ``x``'s dtype, as the
-eager graph rounds it; else the identity). The product is memory-bound: it streams the e4m3
-weight once and does one multiply-add per weight byte. So it uses no tensor cores and no shared
-memory: one program per ``BLOCK_N`` output features loads ``[BLOCK_N, BLOCK_K]`` weight tiles
-straight into registers (16-byte loads along K), widens them to float32 (a 16-bit value times an
-e4m3 value is exact in float32), multiplies by the rows' values and accumulates elementwise; the
-one reduction over K, the per-feature scale and the bias come at the end. Small ``BLOCK_N`` gives
-thousands of programs, so every SM streams the weight at once (the earlier ``tl.dot`` form,
-``benchmarks/fp8_gemv_kernel.py``, staged tiles through shared memory and ran at 1.6 TB/s in the
-model). Runs on CPU tensors under ``TRITON_INTERPRET=1`` (the tests compare it with the twin).
+eager graph rounds it; else the identity). No tensor cores and no shared memory: one program per
+``BLOCK_N`` output features loads ``[BLOCK_N, BLOCK_K]`` weight tiles straight into registers
+(16-byte loads along K), widens them to float32 (a 16-bit value times an e4m3 value is exact in
+float32), multiplies by the rows' values and accumulates elementwise; the one reduction over K,
+the per-feature scale and the bias come at the end. Runs on CPU tensors under
+``TRITON_INTERPRET=1`` (the tests compare it with the twin).
 """
 
 from __future__ import annotations
