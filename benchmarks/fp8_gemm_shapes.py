@@ -11,7 +11,10 @@ against about 1375 for the image stream, and the single blocks' ``linear2`` (460
 templates, persistent TMA ones included, against ATen), so a later change can route the shapes
 where a template wins.
 
-    python3 benchmarks/fp8_gemm_shapes.py --output-json out.json
+    python3 benchmarks/fp8_gemm_shapes.py --output-json out.json [--cases "double txt qkv,single linear2"]
+
+Result (run101, BENCHMARKS.md fourteenth session): cuBLAS as fast or faster on every shape that
+finished; the autotuner's own timings preferred Triton templates that measured 21-55 % slower.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def measure(name: str, calls: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--cases", default=",".join(SHAPES),
+                   help="comma-separated shape names (autotuning takes 65-111 s per shape on an H200)")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -82,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ic.max_autotune_gemm_backends = "TRITON,ATEN"
     if hasattr(ic.triton, "enable_persistent_tma_matmul"):
         ic.triton.enable_persistent_tma_matmul = True
-    metrics.run_kernel_cases(list(SHAPES), lambda name: measure(name, a.calls), a.output_json)
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    if unknown := [c for c in cases if c not in SHAPES]:
+        p.error(f"unknown case(s) {unknown}; valid: {', '.join(SHAPES)}")
+    metrics.run_kernel_cases(cases, lambda name: measure(name, a.calls), a.output_json)
     return 0
 
 
