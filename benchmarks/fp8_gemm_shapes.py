@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated shape names (autotuning takes 65-111 s per shape on an H200)")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args(argv)
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    if unknown := [c for c in cases if c not in SHAPES]:
+        p.error(f"unknown case(s) {unknown}; valid: {', '.join(SHAPES)}")
     if not torch.cuda.is_available():
         sys.stderr.write("fp8_gemm_shapes needs a CUDA device\n")
         return 2
@@ -87,9 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     ic.max_autotune_gemm_backends = "TRITON,ATEN"
     if hasattr(ic.triton, "enable_persistent_tma_matmul"):
         ic.triton.enable_persistent_tma_matmul = True
-    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
-    if unknown := [c for c in cases if c not in SHAPES]:
-        p.error(f"unknown case(s) {unknown}; valid: {', '.join(SHAPES)}")
     metrics.run_kernel_cases(cases, lambda name: measure(name, a.calls), a.output_json)
     return 0
 
