@@ -44,6 +44,14 @@ import torch.nn.functional as F
 from torch import fx
 
 from .. import rowwise_quant  # noqa: F401 - registers nexfort::quant_rows
+from ._fx import arg as _arg
+from ._fx import erase_dead as _erase_dead
+from ._fx import fake_meta as _fake_meta
+from ._fx import is_call as _is_call
+from ._fx import is_method as _is_method
+from ._fx import static as _static
+from ._fx import static_width as _static_width
+from ._fx import val as _val
 
 __all__ = ["DEFAULT_MIN_WIDTH", "Match", "find_matches", "rewrite_quantizations"]
 
@@ -56,42 +64,6 @@ DEFAULT_MIN_WIDTH = 2560
 
 _GELU = (torch._C._nn.gelu, F.gelu)
 _MUL = (operator.mul, torch.mul)
-
-
-def _is_method(node: Any, name: str) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name
-
-
-def _is_call(node: Any, targets: tuple) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _val(node: Any) -> torch.Tensor | None:
-    if not isinstance(node, fx.Node):
-        return None
-    v = node.meta.get("example_value", node.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _static(n: Any) -> int | None:
-    """``n`` as an int, or None when it is symbolic (or not a size)."""
-    try:
-        return int(n)
-    except (TypeError, ValueError):
-        return None
-
-
-def _static_width(node: Any) -> int | None:
-    v = _val(node)
-    if v is None or v.dim() < 1:
-        return None
-    return _static(v.shape[-1])
 
 
 @dataclass
@@ -298,20 +270,6 @@ def find_matches(gm: fx.GraphModule, min_width: int | None = None) -> list[Match
     return matches
 
 
-def _fake_meta(node: fx.Node, fn: Any, *args: Any) -> None:
-    """``node.meta['example_value']``: Inductor's pre-grad passes read it on every node."""
-    vals = [_val(a) if isinstance(a, fx.Node) else a for a in args]
-    if any(v is None for v, a in zip(vals, args, strict=True) if isinstance(a, fx.Node)):
-        return
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
-    if mode is None:
-        return
-    with mode:
-        node.meta["example_value"] = fn(*vals)
-
-
 def rewrite_quantizations(gm: fx.GraphModule, min_width: int | None = None) -> int:
     """Replace each quantization :func:`find_matches` finds by ``nexfort::quant_rows``; returns
     how many were replaced."""
@@ -349,14 +307,3 @@ def rewrite_quantizations(gm: fx.GraphModule, min_width: int | None = None) -> i
     log.debug("nexfort: %d fp8 quantization(s) fused with their producers", len(matches))
     return len(matches)
 
-
-def _erase_dead(nodes: list[fx.Node]) -> None:
-    pending = {n: None for n in nodes}
-    changed = True
-    while changed:
-        changed = False
-        for n in list(pending):
-            if n.graph is not None and not n.users and n in pending:
-                n.graph.erase_node(n)
-                del pending[n]
-                changed = True

@@ -39,7 +39,13 @@ import torch.nn.functional as F
 from torch import fx
 
 from .. import rope  # registers nexfort::rms_norm_rope
-from .fuse_quant import _arg, _erase_dead, _fake_meta, _is_call, _is_method, _static, _val
+from ._fx import arg as _arg
+from ._fx import erase_dead as _erase_dead
+from ._fx import fake_meta as _fake_meta
+from ._fx import is_call as _is_call
+from ._fx import is_method as _is_method
+from ._fx import static as _static
+from ._fx import val as _val
 
 __all__ = ["Match", "find_matches", "rewrite_ropes"]
 
