@@ -12,20 +12,24 @@ __all__ = ["arg", "erase_dead", "fake_meta", "is_call", "is_method", "static", "
 
 
 def is_method(node: Any, name: str) -> bool:
+    """Whether ``node`` calls the tensor method ``name``."""
     return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name
 
 
 def is_call(node: Any, targets: tuple) -> bool:
+    """Whether ``node`` calls one of the functions ``targets``."""
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """The call's argument at position ``index`` or keyword ``name``, else ``default``."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
 
 
 def val(node: Any) -> torch.Tensor | None:
+    """The (fake) tensor Dynamo recorded for ``node``, or None."""
     if not isinstance(node, fx.Node):
         return None
     v = node.meta.get("example_value", node.meta.get("val"))
@@ -41,6 +45,7 @@ def static(n: Any) -> int | None:
 
 
 def static_width(node: Any) -> int | None:
+    """The last dimension of ``node``'s value when it is a static size, else None."""
     v = val(node)
     if v is None or v.dim() < 1:
         return None
@@ -62,6 +67,7 @@ def fake_meta(node: fx.Node, fn: Any, *args: Any) -> None:
 
 
 def erase_dead(nodes: list[fx.Node]) -> None:
+    """Erase those of ``nodes`` nothing reads any more, repeatedly (a chain dies back to front)."""
     pending = {n: None for n in nodes}
     changed = True
     while changed:
