@@ -48,7 +48,8 @@ def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Sdpa:
     """One cuDNN fp8 attention graph for a fixed shape and strides."""
 
-    def __init__(self, handle: Any, shape: tuple[int, int, int, int], stride: tuple[int, ...]) -> None:
+    def __init__(self, handle: Any, shape: tuple[int, int, int, int], stride: tuple[int, ...],
+                 keep_amax: bool = False) -> None:
         import cudnn
 
         b, h, n, d = shape
@@ -70,15 +71,23 @@ class Fp8Sdpa:
         g.check_support()
         g.build_plans()
         self.graph, self.handle = g, handle
-        self.workspace = torch.empty(max(g.get_workspace_size(), 1), device="cuda", dtype=torch.uint8)
-        self.amax_bufs = torch.zeros(2, device="cuda", dtype=torch.float32)
+        self.workspace_size = max(g.get_workspace_size(), 1)
+        #: the last call's (amax_s, amax_o), kept when ``keep_amax`` (the microbenchmark; not in a
+        #: compiled model, where the tensor would live in a CUDA graph's pool)
+        self.keep_amax = keep_amax
+        self.amax_bufs = torch.zeros(2)
 
     def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scalars: dict[str, torch.Tensor],
                  out: torch.Tensor) -> torch.Tensor:
-        pack = {self.q: q8, self.k: k8, self.v: v8, self.o: out,
-                self.amax_s: self.amax_bufs[0:1], self.amax_o: self.amax_bufs[1:2]}
+        # workspace and amax outputs per call: an object holding device tensors made inside a CUDA
+        # graph's memory pool (a compiled model's first call) breaks CUDA-graph trees' accounting
+        workspace = torch.empty(self.workspace_size, device=q8.device, dtype=torch.uint8)
+        amax = torch.empty(2, device=q8.device, dtype=torch.float32)
+        pack = {self.q: q8, self.k: k8, self.v: v8, self.o: out, self.amax_s: amax[0:1], self.amax_o: amax[1:2]}
         pack.update({self.scalars[n]: t for n, t in scalars.items()})
-        self.graph.execute(pack, self.workspace, handle=self.handle)
+        self.graph.execute(pack, workspace, handle=self.handle)
+        if self.keep_amax:
+            self.amax_bufs = amax
         return out
 
 
@@ -98,7 +107,7 @@ def measure(handle: Any, blhd: bool, iters: int, shape: tuple[int, int, int, int
     (q8, dq), (k8, dk), (v8, dv) = (quantize_tensor(t) for t in (q, k, v))
     row["quantize q k v us"] = round(bench(lambda: [quantize_tensor(t) for t in (q, k, v)], (), iters), 1)
     try:
-        sdpa = Fp8Sdpa(handle, shape, tuple(q8.stride()))
+        sdpa = Fp8Sdpa(handle, shape, tuple(q8.stride()), keep_amax=True)
     except Exception as exc:  # not supported here: say why
         row["fp8 cudnn"] = f"unsupported: {type(exc).__name__}: {exc}"[:600]
         return row
