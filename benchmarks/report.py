@@ -124,6 +124,16 @@ def tflops_cell(r: dict[str, Any]) -> str:
     return f"{t:.4g} ({pct:.1f}%" + (f" {dtype})" if dtype else ")")
 
 
+def _variant(r: dict[str, Any]) -> str:
+    """The benchmark's A/B knobs a run was started with, appended to its config cell."""
+    parts = []
+    if r.get("attention_experiment") not in (None, "none"):
+        parts.append(f"attention={r['attention_experiment']}")
+    if r.get("ln_mod_quant") is False:
+        parts.append("no-ln-mod-quant")
+    return (" " + " ".join(parts)) if parts else ""
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
     head = ("| GPU | model | size | compiler | config | it/s | speed-up | TFLOP/s (% peak) | E2E s | peak GiB | "
             "warm-up s | warm-cache s | compiles | recompiles | fallbacks | max err vs eager | err vs fp32 (eager) | "
@@ -132,10 +142,10 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     table = _pick(rows)
     for key, by_comp in table.items():
         base = by_comp.get("none", {}).get("it_s")
-        for comp in COMPILERS:
-            r = by_comp.get(comp)
-            if not r:
-                continue
+        # every run of the column (an A/B call has several per compiler), eager first
+        runs = [r for comp in COMPILERS for r in rows if column_key(r) == key and r["compiler"] == comp]
+        for r in runs:
+            comp = r["compiler"]
             gpu, model, h, w, frames, steps, batch = key
             size = f"{w}x{h}" + (f"x{frames}f" if frames else "")
             speed = f"{r['it_s'] / base:.2f}x" if base and r.get("it_s") else ""
@@ -144,7 +154,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             efp = r.get("eager_err_vs_fp32") or {}
             fp_cell = f"{fp['max_abs']:.3g} ({efp.get('max_abs', float('nan')):.3g})" if fp else ""
             lossless = "" if "lossless" not in r else ("yes" if r["lossless"] else "NO")
-            cfg = r.get("compiler_config") or ""
+            cfg = (r.get("compiler_config") or "") + _variant(r)
             lines.append(
                 f"| {gpu} | {model} | {size} | {comp} | `{cfg}` | {_f(r.get('it_s'), '.2f')} | {speed} | "
                 f"{tflops_cell(r)} | {_f(r.get('e2e_s'), '.3f')} | {_f(r.get('peak_mem_gib'), '.2f')} | {_f(r.get('warmup_s'), '.2f')} | "

@@ -313,3 +313,23 @@ def test_profile_warm_start_script(tmp_path):
     assert "cumulative" in summary and "nexfort_engine" in summary
     child = json.loads((out / "tiny_child.json").read_text())["runs"][0]
     assert child["warmup_s"] > 0 and child["cache_dir_was_empty"] is False
+
+
+def test_summary_lists_every_run_of_an_ab_call():
+    """An A/B call has several runs per compiler in one column: the summary lists each, eager first,
+    with the benchmark knobs that tell them apart in the config cell."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks import report
+    finally:
+        sys.path.remove(str(REPO))
+
+    def run(compiler, it_s, **extra):
+        return {"model": "flux", "height": 64, "width": 64, "steps": 2, "batch": 1, "compiler": compiler,
+                "compiler_config": '{"mode": "O3"}' if compiler == "nexfort" else "", "it_s": it_s, **extra}
+
+    rows = report.flatten([{"env": {"gpu": "G"}, "runs": [
+        run("nexfort", 11.0, attention_experiment="cudnn-fp8"), run("nexfort", 12.0), run("none", 6.0)]}])
+    lines = [line for line in report.summary_table(rows).splitlines() if line.startswith("| G |")]
+    assert len(lines) == 3 and "| none |" in lines[0]
+    assert "attention=cudnn-fp8` | 11.00 | 1.83x" in lines[1] and '{"mode": "O3"}` | 12.00 | 2.00x' in lines[2]
