@@ -45,13 +45,17 @@ ROWS_CONFIG = (8, 1024, 4)
 ROWS_MAX = 4
 
 
+def _check_prologue(prologue: str) -> None:
+    if prologue not in ("none", "silu"):
+        raise ValueError(f"prologue must be 'none' or 'silu', got {prologue!r}")
+
+
 def torch_gemv(x2: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                prologue: str = "none") -> torch.Tensor:
     """The reference: ``(p(x) @ wq.T) * scale + bias`` in float32, in ``x``'s dtype (x [M, K], wq
     [N, K] e4m3, w_scale [N, 1]; ``p`` is ``"none"`` or ``"silu"``, computed in ``x``'s dtype like
     the eager graph)."""
-    if prologue not in ("none", "silu"):
-        raise ValueError(f"prologue must be 'none' or 'silu', got {prologue!r}")
+    _check_prologue(prologue)
     if prologue == "silu":
         x2 = torch.nn.functional.silu(x2)
     out = (x2.float() @ wq.float().t()) * w_scale.t()
@@ -94,8 +98,7 @@ def triton_gemv_rows(
     for up to :data:`ROWS_MAX` rows."""
     from benchmarks.fp8_gemv_rows_kernel import fp8_gemv_kernel
 
-    if prologue not in ("none", "silu"):
-        raise ValueError(f"prologue must be 'none' or 'silu', got {prologue!r}")
+    _check_prologue(prologue)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape

@@ -54,6 +54,14 @@ CASES: dict[str, tuple[int, int, int]] = {
 }
 STEP = "flux step: 76 modulation products, distinct weights"
 STACKED = "flux step: the 76 products' weights stacked, one product"
+DOT_LABEL = "dot " + "x".join(map(str, fp8_gemv.GEMV_CONFIG)) + " (auto)"
+
+
+def _rows_variants(configs: list[tuple[int, int, int]]) -> list[tuple[str, tuple[int, int, int] | None]]:
+    """(label, config) of the register-only form: the default (``None``, "auto") and each other
+    configuration of ``configs``."""
+    return [("rows " + "x".join(map(str, config or fp8_gemv.ROWS_CONFIG)) + (" (auto)" if config is None else ""),
+             config) for config in [None, *configs] if config != fp8_gemv.ROWS_CONFIG]
 
 
 @torch.compile(dynamic=False)
@@ -85,12 +93,9 @@ def measure(name: str, calls: int, configs: list[tuple[int, int, int]]) -> dict[
 
     record("scaled_mm", lambda: _silu_quant_mm(x, wq, ws, b), wq.numel())
     record("bf16 linear", lambda: F.linear(F.silu(x), w, b), w.numel() * 2)
-    record("dot " + "x".join(map(str, fp8_gemv.GEMV_CONFIG)) + " (auto)",
+    record(DOT_LABEL,
            lambda: fp8_gemv.triton_gemv(F.silu(x), wq, ws, b), wq.numel())
-    for config in [None, *configs]:
-        if config == fp8_gemv.ROWS_CONFIG:
-            continue
-        label = "rows " + "x".join(map(str, config or fp8_gemv.ROWS_CONFIG)) + (" (auto)" if config is None else "")
+    for label, config in _rows_variants(configs):
         record(label, lambda config=config: fp8_gemv.triton_gemv_rows(x, wq, ws, b, "silu", config=config), wq.numel())
     return row
 
@@ -112,12 +117,9 @@ def measure_step(configs: list[tuple[int, int, int]]) -> dict[str, Any]:
         row[label] = {"us": round(seconds * 1e6, 1), "GB/s": round(nbytes / seconds / 1e9, 1)}
 
     record("scaled_mm", lambda wq, ws, b: _silu_quant_mm(x, wq, ws, b))
-    record("dot " + "x".join(map(str, fp8_gemv.GEMV_CONFIG)) + " (auto)",
+    record(DOT_LABEL,
            lambda wq, ws, b: fp8_gemv.triton_gemv(F.silu(x), wq, ws, b))
-    for config in [None, *configs]:
-        if config == fp8_gemv.ROWS_CONFIG:
-            continue
-        label = "rows " + "x".join(map(str, config or fp8_gemv.ROWS_CONFIG)) + (" (auto)" if config is None else "")
+    for label, config in _rows_variants(configs):
         record(label, lambda wq, ws, b, config=config: fp8_gemv.triton_gemv_rows(x, wq, ws, b, "silu", config=config))
     return row
 
@@ -143,10 +145,7 @@ def measure_stacked(configs: list[tuple[int, int, int]]) -> dict[str, Any]:
         row[label] = {"us": round(seconds * 1e6, 1), "GB/s": round(wq.numel() / seconds / 1e9, 1)}
 
     record("scaled_mm", lambda: _silu_quant_mm(x, wq, ws, b))
-    for config in [None, *configs]:
-        if config == fp8_gemv.ROWS_CONFIG:
-            continue
-        label = "rows " + "x".join(map(str, config or fp8_gemv.ROWS_CONFIG)) + (" (auto)" if config is None else "")
+    for label, config in _rows_variants(configs):
         record(label, lambda config=config: fp8_gemv.triton_gemv_rows(x, wq, ws, b, "silu", config=config))
     return row
 
