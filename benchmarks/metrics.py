@@ -396,6 +396,7 @@ def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: 
     for name, (us, _) in kernels.items():
         cats[category[name]] = cats.get(category[name], 0.0) + us
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    events = prof.events() if cuda else None  # the profiler's event list, built once for both analyses
     return {
         "steps": steps,
         "wall_ms_per_step": 1000.0 * wall_s / steps,
@@ -410,9 +411,9 @@ def kernel_breakdown(prof: Any, steps: int, wall_s: float, top: int = 15, cuda: 
                            for n, (us, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])
                            if category[n] == "triton" or n.startswith("triton_")},
         # where the GPU waited between kernels, and what the host ran meanwhile (GPU runs only)
-        "idle_gaps": idle_gaps(prof.events(), steps) if cuda else {},
+        "idle_gaps": idle_gaps(events, steps) if cuda else {},
         # the largest kernels' durations by position within a step (GPU runs only)
-        "calls_by_position": calls_by_position(prof.events(), [n for n, _ in ranked[:6]], steps) if cuda else {},
+        "calls_by_position": calls_by_position(events, [n for n, _ in ranked[:6]], steps) if cuda else {},
     }
 
 
