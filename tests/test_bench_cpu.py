@@ -19,6 +19,24 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench_module(module: str):
+    """``benchmarks.<module>``, imported with the repo on ``sys.path`` for the import only."""
+    import importlib
+
+    sys.path.insert(0, str(REPO))
+    try:
+        return importlib.import_module(f"benchmarks.{module}")
+    finally:
+        sys.path.remove(str(REPO))
+
+
+def _ev(name, start, end, device="DeviceType.CUDA"):
+    """A profiler event as ``metrics`` reads it (name, time range, device type)."""
+    from types import SimpleNamespace as NS
+
+    return NS(name=name, time_range=NS(start=start, end=end), device_type=device)
 HOST = Path(os.environ.get("NEXFORT_HOST") or REPO / ".host" / "ComfyUI").resolve()
 TOOL = REPO / "benchmarks" / "text_to_image.py"
 
@@ -80,11 +98,7 @@ def test_nexfort_run(results):
 
 
 def test_report_merges_runs(results, tmp_path):
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks import report
-    finally:
-        sys.path.remove(str(REPO))
+    report = _bench_module("report")
     d = Path(results["_dir"]["path"])
     docs = report.load([d / "none.json", d / "nexfort.json"])
     md = report.render(docs)
@@ -101,11 +115,7 @@ def test_report_merges_runs(results, tmp_path):
 def _tiny_flux_flops() -> tuple[int, int]:
     """(all, attention) FLOPs of one tiny-Flux call at batch 1, 64x64 pixels, by hand from its config:
     2*tokens*in*out per linear layer, 4*heads*L*L*head_dim per joint attention over L tokens."""
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks import models
-    finally:
-        sys.path.remove(str(REPO))
+    models = _bench_module("models")
     spec = models.get_spec("flux", tiny=True)
     c = spec.unet_config
     hid, p = c["hidden_size"], c["patch_size"]
@@ -151,11 +161,7 @@ def test_flops_and_peak(results):
 
 
 def test_report_tflops_column(results):
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks import report
-    finally:
-        sys.path.remove(str(REPO))
+    report = _bench_module("report")
     d = Path(results["_dir"]["path"])
     md = report.render(report.load([d / "none.json", d / "nexfort.json"]))
     head = next(line for line in md.splitlines() if line.startswith("| GPU |"))
@@ -200,11 +206,7 @@ def test_profile_host_and_cudagraph_state(results):
 
 
 def test_kernel_category():
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks.metrics import kernel_category
-    finally:
-        sys.path.remove(str(REPO))
+    kernel_category = _bench_module("metrics").kernel_category
 
     assert kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert kernel_category("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
@@ -221,24 +223,16 @@ def test_kernel_category():
 def test_idle_gaps():
     """The gap analysis of ``--profile`` on a made-up event list: two streams overlapping, one
     gap under the threshold, two over it; host ops credited by their time inside each gap."""
-    from types import SimpleNamespace as NS
+    idle_gaps = _bench_module("metrics").idle_gaps
 
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks.metrics import idle_gaps
-    finally:
-        sys.path.remove(str(REPO))
-
-    def ev(name, start, end, device="DeviceType.CUDA"):
-        return NS(name=name, time_range=NS(start=start, end=end), device_type=device)
 
     events = [
-        ev("k1", 0, 100), ev("k2", 50, 300),  # overlapping: busy until 300
-        ev("k3", 310, 400),  # a 10 us gap: under the 20 us threshold
-        ev("k4", 500, 600),  # a 100 us gap after k3
-        ev("k5", 1000, 1100),  # a 400 us gap after k4
-        ev("aten::copy_", 600, 900, "DeviceType.CPU"), ev("aten::linear", 850, 1200, "DeviceType.CPU"),
-        ev("aten::mm", 420, 450, "DeviceType.CPU"), ev("cudaLaunchKernel", 700, 710, "DeviceType.CPU"),
+        _ev("k1", 0, 100), _ev("k2", 50, 300),  # overlapping: busy until 300
+        _ev("k3", 310, 400),  # a 10 us gap: under the 20 us threshold
+        _ev("k4", 500, 600),  # a 100 us gap after k3
+        _ev("k5", 1000, 1100),  # a 400 us gap after k4
+        _ev("aten::copy_", 600, 900, "DeviceType.CPU"), _ev("aten::linear", 850, 1200, "DeviceType.CPU"),
+        _ev("aten::mm", 420, 450, "DeviceType.CPU"), _ev("cudaLaunchKernel", 700, 710, "DeviceType.CPU"),
     ]
     out = idle_gaps(events, steps=2)
     assert out["idle_ms_per_step"] == 0.25 and out["gaps_per_step"] == 1.0 and out["span_ms_per_step"] == 0.55
@@ -247,28 +241,20 @@ def test_idle_gaps():
     assert first["host_ops"] == ["aten::copy_ 300.0us", "aten::linear 150.0us"]
     assert (second["us"], second["after_kernel"], second["before_kernel"], second["host_ops"]) == (
         100.0, "k3", "k4", ["aten::mm 30.0us"])
-    assert idle_gaps([ev("k1", 0, 1)], steps=1) == {} and idle_gaps([], steps=1) == {}
+    assert idle_gaps([_ev("k1", 0, 1)], steps=1) == {} and idle_gaps([], steps=1) == {}
 
 
 def test_calls_by_position():
     """Mean duration of each call position within a step: two steps of attention (two blocks of one
     kind, then one of another); a kernel whose calls do not divide into the steps is left out."""
-    from types import SimpleNamespace as NS
+    calls_by_position = _bench_module("metrics").calls_by_position
 
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks.metrics import calls_by_position
-    finally:
-        sys.path.remove(str(REPO))
 
-    def ev(name, start, end, device="DeviceType.CUDA"):
-        return NS(name=name, time_range=NS(start=start, end=end), device_type=device)
-
-    events = [ev("attn", -50, -1),  # a call before the sampling loop
-              ev("attn", 0, 10), ev("attn", 20, 32), ev("attn", 40, 60),  # step 1
-              ev("attn", 100, 110), ev("attn", 120, 130), ev("attn", 140, 162),  # step 2
-              ev("odd", 0, 1), ev("odd", 2, 3), ev("odd", 4, 5),
-              ev("attn", 200, 300, "DeviceType.CPU")]
+    events = [_ev("attn", -50, -1),  # a call before the sampling loop
+              _ev("attn", 0, 10), _ev("attn", 20, 32), _ev("attn", 40, 60),  # step 1
+              _ev("attn", 100, 110), _ev("attn", 120, 130), _ev("attn", 140, 162),  # step 2
+              _ev("odd", 0, 1), _ev("odd", 2, 3), _ev("odd", 4, 5),
+              _ev("attn", 200, 300, "DeviceType.CPU")]
     # "odd": 3 calls over 2 steps is not one per step plus a few outside the loop
     assert calls_by_position(events, ["attn", "odd"], steps=2) == {"attn": [10.0, 11.0, 21.0]}
     assert calls_by_position(events, ["attn"], steps=2, max_calls=2) == {}
@@ -318,11 +304,7 @@ def test_profile_warm_start_script(tmp_path):
 def test_summary_lists_every_run_of_an_ab_call():
     """An A/B call has several runs per compiler in one column: the summary lists each, eager first,
     with the benchmark knobs that tell them apart in the config cell."""
-    sys.path.insert(0, str(REPO))
-    try:
-        from benchmarks import report
-    finally:
-        sys.path.remove(str(REPO))
+    report = _bench_module("report")
 
     def run(compiler, it_s, **extra):
         return {"model": "flux", "height": 64, "width": 64, "steps": 2, "batch": 1, "compiler": compiler,
