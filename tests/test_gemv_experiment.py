@@ -42,12 +42,17 @@ print(json.dumps(rows))
 """
 
 
-def test_gemv_kernel_matches_twin_interpreted():
+def _interpreted(script: str) -> list[dict]:
+    """The rows ``script`` prints, run by Triton's interpreter in a subprocess."""
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", CHECK, str(REPO)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script, str(REPO)], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_gemv_kernel_matches_twin_interpreted():
+    rows = _interpreted(CHECK)
     assert len(rows) == 6
     for r in rows:
         assert r["shape_ok"], r
@@ -79,11 +84,7 @@ def test_register_form_matches_twin_interpreted():
     """The register-only kernel: masks on features and K, one to four rows, strided rows, with and
     without bias and the silu prologue. The sums' order differs and the output's cast rounds:
     bfloat16 within two of its steps at the largest magnitude, float16 to 1e-3 relative."""
-    pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", ROWS_CHECK, str(REPO)], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = _interpreted(ROWS_CHECK)
     assert len(rows) == 6
     for r in rows:
         assert r["shape_ok"], r
@@ -119,29 +120,31 @@ def test_twin_is_more_accurate_than_the_quantized_product():
 def test_gemv_kernel_on_gpu(m, n, k):
     """16-bit tensor-core products of exact e4m3 weights, float32 sums: the twin's values to the
     output's rounding (the sums' order differs)."""
-    from benchmarks.fp8_gemv import torch_gemv, triton_gemv
-    from nexfort_engine.fp8 import quantize_rowwise
+    from benchmarks.fp8_gemv import triton_gemv
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    wq, ws = quantize_rowwise(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen))
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out, ref = triton_gemv(x, wq, ws, b), torch_gemv(x, wq, ws, b)
-    err = (out.float() - ref.float()).abs()
-    assert bool((err <= ref.float().abs() * 2**-7 + 1e-2).all()), float(err.max())
+    _check_on_gpu(lambda x, wq, ws, b: triton_gemv(x, wq, ws, b), m, n, k, "none")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m, n, k, prologue", [(1, 9216, 3072, "silu"), (2, 18432, 3072, "none"), (3, 1152, 1152, "silu")])
 def test_register_form_on_gpu(m, n, k, prologue):
-    from benchmarks.fp8_gemv import torch_gemv, triton_gemv_rows
+    from benchmarks.fp8_gemv import triton_gemv_rows
+
+    _check_on_gpu(lambda x, wq, ws, b: triton_gemv_rows(x, wq, ws, b, prologue), m, n, k, prologue)
+
+
+def _check_on_gpu(product, m: int, n: int, k: int, prologue: str) -> None:
+    """``product(x, wq, ws, b)`` against the twin on random bf16 inputs: either kernel's products of
+    exact e4m3 weights are exact and summed in float32, so the twin's values to the output's
+    rounding (two bfloat16 steps; the sums' order differs)."""
+    from benchmarks.fp8_gemv import torch_gemv
     from nexfort_engine.fp8 import quantize_rowwise
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     wq, ws = quantize_rowwise(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out, ref = triton_gemv_rows(x, wq, ws, b, prologue), torch_gemv(x, wq, ws, b, prologue)
+    out, ref = product(x, wq, ws, b), torch_gemv(x, wq, ws, b, prologue)
     err = (out.float() - ref.float()).abs()
     assert bool((err <= ref.float().abs() * 2**-7 + 1e-2).all()), float(err.max())
