@@ -33,16 +33,23 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.attention_kernels import bench, inputs, rel  # noqa: E402
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from nexfort_engine.fp8 import FP8_DTYPE  # noqa: E402
+from nexfort_engine.rowwise_quant import FP8_MAX  # noqa: E402
 
 
 @torch.compile(dynamic=False)
 def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 values of ``t`` scaled by ``448 / amax``, and the descale ``amax / 448`` ([1, 1, 1, 1])."""
     amax = t.abs().amax().float().clamp(min=1e-12)
-    return (t.float() * (FP8_MAX / amax)).to(FP8), (amax / FP8_MAX).reshape(1, 1, 1, 1)
+    return (t.float() * (FP8_MAX / amax)).to(FP8_DTYPE), (amax / FP8_MAX).reshape(1, 1, 1, 1)
+
+
+def fp8_scalars(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``sdpa_fp8``'s scale inputs ([1, 1, 1, 1] float32) for per-tensor descales of q, k and v:
+    probabilities scaled by 448 (``p <= 1``), the output by ``448 / amax(v)`` (``|o| <= max |v|``)."""
+    one = torch.ones(1, 1, 1, 1, device=dq.device)
+    return {"descale_q": dq, "descale_k": dk, "descale_v": dv, "descale_s": one / FP8_MAX,
+            "scale_s": one * FP8_MAX, "scale_o": (1.0 / dv).reshape(1, 1, 1, 1)}
 
 
 class Fp8Sdpa:
@@ -111,10 +118,8 @@ def measure(handle: Any, blhd: bool, iters: int, shape: tuple[int, int, int, int
     except Exception as exc:  # not supported here: say why
         row["fp8 cudnn"] = f"unsupported: {type(exc).__name__}: {exc}"[:600]
         return row
-    one = torch.ones(1, 1, 1, 1, device="cuda")
-    scale_o = (1.0 / dv).reshape(1, 1, 1, 1)  # 448 / amax(v)
-    scalars = {"descale_q": dq, "descale_k": dk, "descale_v": dv, "descale_s": one / FP8_MAX,
-               "scale_s": one * FP8_MAX, "scale_o": scale_o}
+    scalars = fp8_scalars(dq, dk, dv)
+    scale_o = scalars["scale_o"]
     out = torch.empty_like(q8)
     sdpa(q8, k8, v8, scalars, out)
     torch.cuda.synchronize()

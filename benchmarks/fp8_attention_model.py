@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nexfort_engine.fp8 import FP8_DTYPE
+from nexfort_engine.rowwise_quant import FP8_MAX
+
 __all__ = ["attention", "patch", "quantize_tensor", "sdpa_fp8", "torch_sdpa_fp8"]
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 _GRAPHS: dict[tuple, Any] = {}
 _HANDLE: list[Any] = []
 
@@ -38,7 +39,7 @@ def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Contiguous e4m3 values of ``t`` scaled by ``448 / amax``, and the descale ``amax / 448``
     ([1, 1, 1, 1] float32, on ``t``'s device: no host synchronisation)."""
     amax = t.abs().amax().float().clamp(min=1e-12).reshape(1, 1, 1, 1)
-    return (t.float() * (FP8_MAX / amax)).to(FP8).contiguous(), amax / FP8_MAX
+    return (t.float() * (FP8_MAX / amax)).to(FP8_DTYPE).contiguous(), amax / FP8_MAX
 
 
 def torch_sdpa_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -68,14 +69,13 @@ def sdpa_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch_sdpa_fp8(q, k, v)
     import cudnn
 
+    from benchmarks.cudnn_fp8_attention import fp8_scalars
+
     (q8, dq), (k8, dk), (v8, dv) = (quantize_tensor(t) for t in (q, k, v))
     graph = _graph(tuple(q8.shape), tuple(q8.stride()))
     cudnn.set_stream(handle=_HANDLE[0], stream=torch.cuda.current_stream().cuda_stream)
-    one = torch.ones(1, 1, 1, 1, device=q.device)
-    scalars = {"descale_q": dq, "descale_k": dk, "descale_v": dv, "descale_s": one / FP8_MAX,
-               "scale_s": one * FP8_MAX, "scale_o": 1.0 / dv}
     out = torch.empty_like(q8)
-    graph(q8, k8, v8, scalars, out)
+    graph(q8, k8, v8, fp8_scalars(dq, dk, dv), out)
     return (out.float() * dv).to(q.dtype)
 
 
