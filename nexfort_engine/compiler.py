@@ -138,6 +138,8 @@ class CompiledModule(torch.nn.Module):
         #: fp8 activation quantizations fused with their producers (passes/fuse_quant.py)
         self._nx_fused_quants = 0
         self._nx_fused_ropes = 0
+        #: attentions in fp8 (passes/fp8_attention.py)
+        self._nx_fp8_attentions = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         self._nx_cudagraphs = False
@@ -189,6 +191,12 @@ class CompiledModule(torch.nn.Module):
             if n := rewrite_ropes(gm):
                 self._nx_fused_ropes += n
                 counters.set_info(self._nx_label, rope_fused=self._nx_fused_ropes)
+        if self._nx_settings is not None and self._nx_settings.fp8_attention:
+            from .passes.fp8_attention import rewrite_attentions
+
+            if n := rewrite_attentions(gm):
+                self._nx_fp8_attentions += n
+                counters.set_info(self._nx_label, attention_fp8=self._nx_fp8_attentions)
         compiled = self._compile_graph(gm, example_inputs)
         self._nx_graphs += 1
         return compiled
@@ -226,12 +234,21 @@ class CompiledModule(torch.nn.Module):
         fp8_capable = example is not None and fp8_supported(example.device)
         capability = torch.cuda.get_device_capability(example.device) if cuda else None
         fp8_pays = pays_off(self._orig_mod)
+        # probe cuDNN's fp8 attention only where auto could turn it on (O3's fp8 linears)
+        cfg = self._nx_config
+        fp8_attention_capable = (cfg.fp8_attention is None and fp8_capable and example is not None
+                                 and (cfg.fp8 or (cfg.fp8 is None and fp8_pays and "low-precision" in cfg.flags)))
+        if fp8_attention_capable:
+            from .fp8_attention import cudnn_supported
+
+            fp8_attention_capable = cudnn_supported(example.device)
         self._nx_settings = resolve(
             self._nx_config,
             cuda=cuda,
             fp8_capable=fp8_capable,
             fp16_accumulation=fp16_accumulation_pays(capability),
             fp8_pays=fp8_pays,
+            fp8_attention_capable=bool(fp8_attention_capable),
         )
         if self._nx_method == "forward":
             self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)

@@ -55,6 +55,8 @@ class _Record:
     fp8_quant_fused: int = 0
     #: query/key RMSNorm + rotary embeddings fused into one op (passes/fuse_rope.py)
     rope_fused: int = 0
+    #: attentions run in fp8 through cuDNN (passes/fp8_attention.py)
+    attention_fp8: int = 0
     #: conv weights converted to channels-last outside the graph so far (weight_layout.py)
     channels_last_weights: int = 0
     updated: float = field(default_factory=time.time)
@@ -77,6 +79,7 @@ class _Record:
             group_norms_rewritten=self.group_norms_rewritten,
             fp8_quant_fused=self.fp8_quant_fused,
             rope_fused=self.rope_fused,
+            attention_fp8=self.attention_fp8,
             channels_last_weights=self.channels_last_weights,
             updated=self.updated,
         )

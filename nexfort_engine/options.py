@@ -83,6 +83,7 @@ TOP_LEVEL_KEYS = (
     "int32_size_args",
     "fused_quant",
     "fused_rope",
+    "fp8_attention",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -135,6 +136,11 @@ class CompileConfig:
     #: the Inductor backend when Triton is installed), True/False = always/never (True on CPU: the
     #: torch twin)
     fused_rope: bool | None = None
+    #: DiT attention in fp8 (fp8_attention.py, passes/fp8_attention.py): queries and keys from the
+    #: fused norm + rotary op (fused_rope) in e4m3, cuDNN's fp8 attention; None = auto (on with
+    #: fp8 linears - O3 - where the fused rotary op runs and cuDNN's fp8 attention does: Hopper with
+    #: nvidia-cudnn-frontend installed), True/False = always (True on CPU: the torch twin) / never
+    fp8_attention: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -297,6 +303,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         int32_size_args=_as_optional_bool("int32_size_args", options.get("int32_size_args")),
         fused_quant=_as_optional_bool("fused_quant", options.get("fused_quant")),
         fused_rope=_as_optional_bool("fused_rope", options.get("fused_rope")),
+        fp8_attention=_as_optional_bool("fp8_attention", options.get("fp8_attention")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

@@ -30,6 +30,16 @@ the model dtype (as torch's fused CUDA ``rms_norm`` and Inductor do; the CPU com
 after the normalisation and again after the weight), and the rotation is float32 on those rounded
 values as in eager, one rounding at the end. The result can differ from eager by one rounding
 step of the model dtype; the tests bound it.
+
+fp8 (``nexfort::rms_norm_rope_fp8``, for :mod:`nexfort_engine.fp8_attention`): the same rows,
+scaled by ``1 / descale`` and stored as e4m3 (clamped to +-448) in the same layout, with
+``descale = sqrt(D) * max_i |w_i| / 448`` ([1, 1, 1, 1] float32, on the device: no host
+synchronisation). That scale needs no pass over the result: ``sum_i (x_i / rms(x))^2 <= D``, so
+``|y_i| <= sqrt(D) * max |w|`` for every element of the normalised row, and a rotation keeps each
+pair's norm, so the rotated values stay within the same bound (ComfyUI's ``pe`` are rotations;
+anything larger is clamped). e4m3's relative precision does not depend on where in its range a
+value falls (down to 2^-6 of the scale's unit), so a bound looser than the actual maximum costs
+nothing measurable.
 """
 
 from __future__ import annotations
@@ -38,10 +48,11 @@ from typing import Any
 
 import torch
 
-from .rowwise_quant import _cdiv, triton_available
+from .fp8 import FP8_DTYPE
+from .rowwise_quant import FP8_MAX, _cdiv, triton_available
 
-__all__ = ["kernel_takes", "rms_norm_rope", "torch_apply_rope", "torch_rms_norm_rope", "triton_available",
-           "triton_rms_norm_rope"]
+__all__ = ["fp8_descale", "kernel_takes", "rms_norm_rope", "rms_norm_rope_fp8", "torch_apply_rope",
+           "torch_rms_norm_rope", "torch_rms_norm_rope_fp8", "triton_available", "triton_rms_norm_rope"]
 
 #: (BLOCK_R rows per program, num_warps) when none is given (read at each call: the benchmark's
 #: ``--rope-config`` sets it to compare configurations in one process). Timed from CUDA graphs on
@@ -80,21 +91,48 @@ def _check(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Ten
     return b, h, length, d
 
 
-def torch_apply_rope(y: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """The rotation as ComfyUI's ``flux.math.apply_rope1`` computes it (float32, then ``y``'s dtype)."""
+def _rotate32(y: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The rotation in float32 (``flux.math.apply_rope1`` before its final rounding)."""
     y_ = y.to(dtype=freqs.dtype).reshape(*y.shape[:-1], -1, 1, 2)
     out = freqs[..., 0] * y_[..., 0]
     out.addcmul_(freqs[..., 1], y_[..., 1])
-    return out.reshape(*y.shape).type_as(y)
+    return out.reshape(*y.shape)
+
+
+def torch_apply_rope(y: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The rotation as ComfyUI's ``flux.math.apply_rope1`` computes it (float32, then ``y``'s dtype)."""
+    return _rotate32(y, freqs).type_as(y)
+
+
+def _norms(xs: list[torch.Tensor], weights: list[torch.Tensor], eps: float) -> torch.Tensor:
+    """Eager's per-part ``rms_norm``, concatenated on the sequence dim."""
+    ys = [torch.rms_norm(x, (x.shape[-1],), w, eps) for x, w in zip(xs, weights, strict=True)]
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
+
+
+def fp8_descale(weights: list[torch.Tensor], head_size: int) -> torch.Tensor:
+    """``sqrt(D) * max |w| / 448`` ([1, 1, 1, 1] float32 on the weights' device): the descale of
+    the fp8 result (module docstring)."""
+    wmax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+    return (wmax * (head_size ** 0.5 / FP8_MAX)).clamp(min=1e-12).reshape(1, 1, 1, 1)
+
+
+def torch_rms_norm_rope_fp8(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 reference: the rotated rows (float32, before rounding to the model dtype) times
+    ``1 / descale``, clamped to e4m3's range and rounded to e4m3, in the op's layout; and the
+    descale."""
+    _, _, _, d = _check(xs, weights, freqs)
+    descale = fp8_descale(weights, d)
+    out = (_rotate32(_norms(xs, weights, eps), freqs) * (1.0 / descale)).clamp(-FP8_MAX, FP8_MAX)
+    return _heads_view(out.to(FP8_DTYPE)), descale
 
 
 def torch_rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, eps: float) -> torch.Tensor:
     """The reference: eager's ops (``torch.rms_norm`` per part, ``cat`` on the sequence dim, the
     rotation), contiguous."""
     _check(xs, weights, freqs)
-    ys = [torch.rms_norm(x, (x.shape[-1],), w, eps) for x, w in zip(xs, weights, strict=True)]
-    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
-    return _heads_view(torch_apply_rope(y, freqs))
+    return _heads_view(torch_apply_rope(_norms(xs, weights, eps), freqs))
 
 
 def _heads_view(t: torch.Tensor) -> torch.Tensor:
@@ -118,10 +156,13 @@ def triton_rms_norm_rope(
     freqs: torch.Tensor,
     eps: float,
     config: tuple[int, int] | None = None,
+    fp8_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`torch_rms_norm_rope` in one Triton launch per part (CUDA, or CPU under
     ``TRITON_INTERPRET=1``), for bfloat16/float16 inputs. ``config`` (BLOCK_R, num_warps)
-    overrides :data:`DEFAULT_CONFIG` (benchmarks, tests)."""
+    overrides :data:`DEFAULT_CONFIG` (benchmarks, tests). With ``fp8_scale`` (a one-element
+    float32 tensor on the inputs' device) the result is e4m3: the values times that scale, clamped
+    to +-448 (:func:`torch_rms_norm_rope_fp8` without its descale)."""
     b, h, length, d = _check(xs, weights, freqs)
     dtype = xs[0].dtype
     if not kernel_takes(dtype, d):
@@ -130,22 +171,29 @@ def triton_rms_norm_rope(
     block_r, warps = config or DEFAULT_CONFIG
     if block_r < 1 or block_r & (block_r - 1):
         raise ValueError(f"rms_norm_rope: BLOCK_R must be a power of two, got {block_r}")
-    storage = torch.empty((b, length, h, d), device=xs[0].device, dtype=dtype)
+    fp8 = fp8_scale is not None
+    if fp8:
+        storage = torch.empty((b, length, h, d), device=xs[0].device, dtype=FP8_DTYPE)
+        words_out = storage.view(torch.int16)
+        scale = fp8_scale.reshape(1).float()
+    else:
+        storage = torch.empty((b, length, h, d), device=xs[0].device, dtype=dtype)
+        words_out = storage.view(torch.int32)
+        scale = words_out  # unused by the kernel
     if freqs.stride(5) != 1 or freqs.stride(4) != 2 or freqs.stride(3) != 4:
         freqs = freqs.contiguous()
-    words_out = storage.view(torch.int32)
     row0 = 0
     for x, w in zip(xs, weights, strict=True):
         n = x.shape[2]
         if n and b and h:
             words = _words(x)
             _kernel()[(_cdiv(n * h, block_r), b)](
-                words, w.contiguous(), freqs, words_out,
+                words, w.contiguous(), freqs, words_out, scale,
                 n, h, length, row0,
                 words.stride(0), words.stride(1), words.stride(2),
                 freqs.stride(0) if freqs.shape[0] > 1 else 0, freqs.stride(2),
                 float(eps),
-                HALF=d // 2, BLOCK_R=block_r, DTYPE=KERNEL_DTYPES[dtype], num_warps=warps,
+                HALF=d // 2, BLOCK_R=block_r, DTYPE=KERNEL_DTYPES[dtype], FP8=fp8, num_warps=warps,
             )
         row0 += n
     return storage.permute(0, 2, 1, 3)
@@ -174,3 +222,23 @@ def rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: to
 def _(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, eps: float) -> torch.Tensor:
     b, h, length, d = _check(xs, weights, freqs)
     return xs[0].new_empty((b, length, h, d)).permute(0, 2, 1, 3)
+
+
+@torch.library.custom_op("nexfort::rms_norm_rope_fp8", mutates_args=())
+def rms_norm_rope_fp8(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm_rope` as e4m3 with its descale (module docstring): the Triton kernel on
+    CUDA, :func:`torch_rms_norm_rope_fp8` elsewhere."""
+    d = xs[0].shape[-1] if xs else 0
+    if xs and xs[0].is_cuda and kernel_takes(xs[0].dtype, d) and triton_available():
+        descale = fp8_descale(weights, d)
+        return triton_rms_norm_rope(xs, weights, freqs, eps, fp8_scale=1.0 / descale), descale
+    return torch_rms_norm_rope_fp8(xs, weights, freqs, eps)
+
+
+@rms_norm_rope_fp8.register_fake
+def _(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor,
+      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, length, d = _check(xs, weights, freqs)
+    out = xs[0].new_empty((b, length, h, d), dtype=FP8_DTYPE).permute(0, 2, 1, 3)
+    return out, xs[0].new_empty((1, 1, 1, 1), dtype=torch.float32)

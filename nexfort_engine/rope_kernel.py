@@ -16,6 +16,10 @@ heads of consecutive positions); the caller hands the result on as a ``[B, H, L,
 cuDNN's attention reads at the same speed as a contiguous one. Under
 ``TRITON_INTERPRET=1`` (set before this module is imported) it runs on CPU tensors: the tests
 compare it with the torch twin that way.
+
+With ``FP8`` the rotated values are multiplied by the float32 scale at ``s_ptr``, clamped to
+e4m3's range and stored as e4m3: one 16-bit word per pair (the output pointer is an int16 view),
+the operands of cuDNN's fp8 attention (:mod:`nexfort_engine.fp8_attention`).
 """
 
 from __future__ import annotations
@@ -55,15 +59,23 @@ def _bits(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bits(x, scale):
+    """The 8 bits of ``x * scale`` as e4m3 (clamped to +-448), widened to uint32."""
+    y = tl.minimum(tl.maximum(x * scale, -448.0), 448.0)
+    return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
 def rms_norm_rope_kernel(
-    x_ptr, w_ptr, f_ptr, o_ptr,
+    x_ptr, w_ptr, f_ptr, o_ptr, s_ptr,
     L, H, L_OUT, ROW0,
     sxb, sxh, sxl, sfb, sfl,
     eps,
-    HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, FP8: tl.constexpr,
 ):
-    """``x_ptr``/``o_ptr``: int32 views (one word per pair); strides in words; ``L`` rows of
-    this part at ``ROW0`` in the output's (and the rotation table's) ``L_OUT`` positions."""
+    """``x_ptr``: int32 view (one word per pair); ``o_ptr``: int32 view, or int16 with ``FP8``
+    (``s_ptr``: the float32 scale; unused otherwise); strides in words; ``L`` rows of this part at
+    ``ROW0`` in the output's (and the rotation table's) ``L_OUT`` positions."""
     b = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < L * H
@@ -83,6 +95,11 @@ def rms_norm_rope_kernel(
     f = f_ptr + (b * sfb + (ROW0 + pos) * sfl)[:, None] + 4 * pairs[None, :]
     o0 = tl.load(f, mask=mask, other=0.0) * y0 + tl.load(f + 1, mask=mask, other=0.0) * y1
     o1 = tl.load(f + 2, mask=mask, other=0.0) * y0 + tl.load(f + 3, mask=mask, other=0.0) * y1
-    word = _bits(o0, DTYPE) | (_bits(o1, DTYPE) << 16)
     out = ((b * L_OUT + ROW0 + pos) * H + head) * HALF  # [B, L, H, D] storage: rows stream out
-    tl.store(o_ptr + out[:, None] + pairs[None, :], word.to(tl.int32, bitcast=True), mask=mask)
+    if FP8:
+        scale = tl.load(s_ptr)
+        half_word = _e4m3_bits(o0, scale) | (_e4m3_bits(o1, scale) << 8)
+        tl.store(o_ptr + out[:, None] + pairs[None, :], half_word.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        word = _bits(o0, DTYPE) | (_bits(o1, DTYPE) << 16)
+        tl.store(o_ptr + out[:, None] + pairs[None, :], word.to(tl.int32, bitcast=True), mask=mask)

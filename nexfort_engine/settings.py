@@ -135,6 +135,8 @@ class Settings:
     fused_quant: bool = False
     #: queries/keys normalised and rotated by nexfort::rms_norm_rope (passes/fuse_rope.py)
     fused_rope: bool = False
+    #: those attentions in fp8 through nexfort::sdpa_fp8 (passes/fp8_attention.py)
+    fp8_attention: bool = False
 
     def digest(self, config: CompileConfig) -> str:
         """Hash of what actually shapes the compiled artifacts on this machine (cache keys):
@@ -162,6 +164,9 @@ class Settings:
         d.pop("fused_rope", None)  # the effective value, only when on (older keys stay valid)
         if self.fused_rope:
             d["fused_rope"] = True
+        d.pop("fp8_attention", None)  # the effective value, only when on (older keys stay valid)
+        if self.fp8_attention:
+            d["fp8_attention"] = True
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -191,12 +196,15 @@ def resolve(
     fp8_capable: bool = False,
     fp16_accumulation: bool = False,
     fp8_pays: bool = True,
+    fp8_attention_capable: bool = False,
 ) -> Settings:
     """Flags + overrides -> scoped settings for this machine.
 
     ``fp8_capable``: the device has fp8 tensor cores (:func:`nexfort_engine.fp8.fp8_supported`).
     ``fp8_pays``: the model is wide enough for fp8 GEMMs to repay the activations' quantization
     (:func:`nexfort_engine.fp8.pays_off`); auto fp8 needs it, ``"fp8": true`` does not.
+    ``fp8_attention_capable``: cuDNN's fp8 attention runs on the device
+    (:func:`nexfort_engine.fp8_attention.cudnn_supported`); auto fp8 attention needs it.
     ``fp16_accumulation``: the device's fp16 GEMMs run faster accumulating in fp16
     (:func:`fp16_accumulation_pays`); ``low-precision`` then turns that on.
     fp8 linears are on with ``"fp8": true`` on such a GPU or on CPU (correct, not faster: for
@@ -263,6 +271,11 @@ def resolve(
     fused_rope = config.fused_rope if config.fused_rope is not None else (
         cuda and config.backend == "inductor" and _has_triton()
     )
+    # fp8 attention (fp8_attention.py) takes its queries and keys from the fused rotary op: with the
+    # fp8 linears (O3's low precision) where cuDNN's fp8 attention runs; forced, also on CPU (twin)
+    fp8_attention = bool(fused_rope) and (
+        config.fp8_attention if config.fp8_attention is not None else fp8 and fp8_attention_capable
+    )
     return Settings(
         inductor=inductor,
         runtime=runtime,
@@ -272,6 +285,7 @@ def resolve(
         int32_size_args=indexing.wanted(config.int32_size_args, cuda=cuda, dynamic=config.dynamic),
         fused_quant=bool(fused_quant),
         fused_rope=bool(fused_rope),
+        fp8_attention=bool(fp8_attention),
     )
 
 

@@ -1,0 +1,252 @@
+"""fp8 attention: cuDNN's e4m3 scaled-dot-product attention, one custom op with a torch twin.
+
+What: :func:`sdpa_fp8` computes ``softmax(q k^T / sqrt(D)) v`` for e4m3 ``q8``, ``k8``, ``v8``
+(``[B, H, L, D]``, any strides with a contiguous last dim) whose real values are
+``q8 * descale_q`` etc. (per-tensor scales), and returns the result as e4m3 scaled by
+``1 / descale_v`` in ``[B, L, H, D]`` memory order (viewed as ``[B, H, L, D]``): an attention
+output is a convex combination of value rows, so ``|o| <= max |v| = 448 * descale_v`` and that
+scale cannot overflow. The caller dequantizes it (``o8.float() * descale_v``), which Inductor
+fuses into whatever reads the output next.
+
+``scales`` is one float32 tensor holding, at offsets 0, 4, ..., 20 (16-byte aligned, as cuDNN
+wants its operands), ``descale_q, descale_k, descale_v, descale_s, scale_s, scale_o``: the three
+input descales, the probabilities' (``1/448`` and ``448``: ``p <= 1``) and the output's
+(``1 / descale_v``). :func:`pack_scales` builds it inside the compiled graph, so one small
+Inductor kernel makes all six, and the op holds no device tensor across calls (CUDA-graph trees
+own the memory of everything made during a captured call; an object keeping such a tensor broke
+their accounting in run104).
+
+* CUDA with ``nvidia-cudnn-frontend`` (the ``cudnn`` Python module, an optional dependency) on a
+  GPU whose cuDNN has fp8 attention (Hopper): cuDNN's ``sdpa_fp8`` graph, built once per shape,
+  strides and device. On Hopper its output must be fp8 (a 16-bit output is Blackwell only).
+* Elsewhere, or when building the graph fails: the twin :func:`torch_sdpa_fp8` (the dequantized
+  operands through float32 attention, then the same output quantization; cuDNN also rounds the
+  probabilities to e4m3, which the twin does not). A failure on CUDA is logged once.
+
+Why: at Flux's 1024² shape cuDNN's fp8 forward took 286 us against 401 us for bf16 on an H200
+(run100), about 8 ms of a step's 57 attention calls (runs 104-105). The quantization must not
+eat that: queries and keys come quantized from the fused norm + rotary kernel
+(:func:`nexfort_engine.rope.rms_norm_rope_fp8`, a static scale), values take one reduction and
+one pointwise kernel, and the output's dequantization fuses into its consumer
+(:mod:`nexfort_engine.passes.fp8_attention` wires this).
+
+Cost: e4m3 has 3 mantissa bits. Per call the error against float32 attention is about 0.11
+relative (L2) at Flux's shape; over a whole Flux sampling run it measured rel-L2 0.036 against
+bf16 eager (runs 104-105), against 0.043 for O3's fp8 linears. So it runs under O3
+(``low-precision``) only, and ``"fp8_attention": false`` turns it off there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import FP8_DTYPE
+from .rowwise_quant import FP8_MAX
+
+__all__ = ["SCALE_STRIDE", "cudnn_supported", "pack_scales", "quantize_tensor", "sdpa_fp8", "torch_sdpa_fp8"]
+
+log = logging.getLogger(__name__)
+
+#: elements between consecutive scalars in ``scales`` (16 bytes)
+SCALE_STRIDE = 4
+_SCALE_NAMES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+#: the smallest compute capability whose cuDNN has the fp8 attention forward
+MIN_CAPABILITY = (9, 0)
+
+_lock = threading.Lock()
+#: built graphs, and None for a key whose build failed (not tried again)
+_graphs: dict[tuple, Any] = {}
+_handles: dict[int, Any] = {}
+_supported: dict[int, bool] = {}
+_warned: set[str] = set()
+
+
+def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` scaled by ``448 / amax(|t|)`` as e4m3 (``t``'s layout), and the descale
+    ``amax / 448`` ([1, 1, 1, 1] float32). Plain torch ops: in a compiled graph, one reduction and
+    one pointwise kernel."""
+    amax = t.abs().amax().float().clamp(min=1e-12)
+    q = (t.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, (amax / FP8_MAX).reshape(1, 1, 1, 1)
+
+
+def pack_scales(descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: torch.Tensor) -> torch.Tensor:
+    """The op's ``scales`` operand (module docstring) from the three input descales."""
+    dv = descale_v.reshape(1).float()
+    vals = [descale_q.reshape(1).float(), descale_k.reshape(1).float(), dv,
+            torch.full_like(dv, 1.0 / FP8_MAX), torch.full_like(dv, FP8_MAX), 1.0 / dv]
+    return torch.stack(vals).expand(len(vals), SCALE_STRIDE).contiguous().reshape(-1)
+
+
+def _scalar(scales: torch.Tensor, name: str) -> torch.Tensor:
+    """One of ``scales``' values as the [1, 1, 1, 1] tensor cuDNN reads (a view)."""
+    i = _SCALE_NAMES.index(name) * SCALE_STRIDE
+    return scales[i:i + 1].reshape(1, 1, 1, 1)
+
+
+def _check(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> None:
+    for name, t in (("q8", q8), ("k8", k8), ("v8", v8)):
+        if t.dtype != FP8_DTYPE or t.dim() != 4:
+            raise ValueError(f"sdpa_fp8: {name} must be a [B, H, L, D] {FP8_DTYPE} tensor, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    b, h, _, d = q8.shape
+    if k8.shape != v8.shape or k8.shape[0] != b or k8.shape[1] != h or k8.shape[3] != d:
+        raise ValueError(f"sdpa_fp8: k8 and v8 must be [B, H, L_kv, D] with q8's B, H, D: q8 {tuple(q8.shape)}, "
+                         f"k8 {tuple(k8.shape)}, v8 {tuple(v8.shape)}")
+    if scales.dtype != torch.float32 or scales.shape != (len(_SCALE_NAMES) * SCALE_STRIDE,):
+        raise ValueError(f"sdpa_fp8: scales must be float32 [{len(_SCALE_NAMES) * SCALE_STRIDE}] (pack_scales), "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+
+
+def _output(q8: torch.Tensor) -> torch.Tensor:
+    """An empty e4m3 result: ``[B, L, H, D]`` memory viewed as ``[B, H, L, D]``."""
+    b, h, n, d = q8.shape
+    return q8.new_empty((b, n, h, d), dtype=FP8_DTYPE).permute(0, 2, 1, 3)
+
+
+def torch_sdpa_fp8(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The twin: float32 attention of the dequantized operands, quantized like cuDNN's output."""
+    _check(q8, k8, v8, scales)
+    q, k, v = (t.float() * _scalar(scales, n) for t, n in ((q8, "descale_q"), (k8, "descale_k"), (v8, "descale_v")))
+    out = F.scaled_dot_product_attention(q, k, v) * _scalar(scales, "scale_o")
+    return _output(q8).copy_(out.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+
+
+class _Graph:
+    """One cuDNN fp8 attention graph for fixed shapes and strides (on one device)."""
+
+    def __init__(self, handle: Any, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, out: torch.Tensor) -> None:
+        import cudnn
+
+        fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        g = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+
+        def operand(name: str, t: torch.Tensor) -> Any:
+            return g.tensor(name=name, dim=list(t.shape), stride=list(t.stride()), data_type=fp8)
+
+        self.q, self.k, self.v = operand("q", q8), operand("k", k8), operand("v", v8)
+        self.scalars = {n: g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+                        for n in _SCALE_NAMES}
+        o, _, amax_s, amax_o = g.sdpa_fp8(q=self.q, k=self.k, v=self.v, **self.scalars, generate_stats=False,
+                                          attn_scale=1.0 / math.sqrt(q8.shape[-1]), name="sdpa_fp8")
+        o.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride())).set_data_type(fp8)
+        for amax in (amax_s, amax_o):
+            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+        self.o, self.amax_s, self.amax_o = o, amax_s, amax_o
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self.graph, self.handle = g, handle
+        self.workspace_size = max(int(g.get_workspace_size()), 1)
+
+    def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        import cudnn
+
+        # workspace and amax outputs per call (module docstring: nothing device-side is kept)
+        workspace = torch.empty(self.workspace_size, device=q8.device, dtype=torch.uint8)
+        amax = torch.empty(2 * SCALE_STRIDE, device=q8.device, dtype=torch.float32)
+        pack = {self.q: q8, self.k: k8, self.v: v8, self.o: out,
+                self.amax_s: amax[0:1], self.amax_o: amax[SCALE_STRIDE:SCALE_STRIDE + 1]}
+        pack.update({self.scalars[n]: _scalar(scales, n) for n in _SCALE_NAMES})
+        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
+        self.graph.execute(pack, workspace, handle=self.handle)
+
+
+def _handle(device: torch.device) -> Any:
+    import cudnn
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _handles:
+        with torch.cuda.device(index):
+            _handles[index] = cudnn.create_handle()
+    return _handles[index]
+
+
+def _graph_for(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, out: torch.Tensor) -> _Graph | None:
+    """The graph for these operands, built on first use; None when building it failed before."""
+    key = (q8.device, *((tuple(t.shape), tuple(t.stride())) for t in (q8, k8, v8, out)))
+    with _lock:
+        if key in _graphs:
+            return _graphs[key]
+        _graphs[key] = None  # until it has built
+        with torch.cuda.device(q8.device):
+            graph = _graphs[key] = _Graph(_handle(q8.device), q8, k8, v8, out)
+        return graph
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+def cudnn_supported(device: torch.device | str) -> bool:
+    """Whether cuDNN's fp8 attention runs on ``device``: a CUDA GPU of compute capability 9.0+,
+    the ``cudnn`` module (``pip install nvidia-cudnn-frontend``), and a small graph that builds
+    and runs (checked once per device)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _supported:
+        return _supported[index]
+    ok = False
+    if torch.cuda.get_device_capability(index) < MIN_CAPABILITY:
+        pass
+    else:
+        try:
+            import cudnn  # noqa: F401 - nvidia-cudnn-frontend
+
+            dev = torch.device("cuda", index)
+            q = torch.zeros(1, 1, 128, 128, device=dev, dtype=FP8_DTYPE)
+            one = torch.ones(1, device=dev)
+            out = _output(q)
+            graph = _graph_for(q, q, q, out)
+            if graph is None:
+                raise RuntimeError("the probe graph did not build")
+            graph(q, q, q, pack_scales(one, one, one), out)
+            torch.cuda.synchronize(dev)
+            ok = True
+        except ImportError:
+            log.info("nexfort: fp8 attention needs nvidia-cudnn-frontend (pip install nvidia-cudnn-frontend); "
+                     "attention stays in 16-bit")
+        except Exception as exc:  # an old cuDNN, an unsupported GPU: say so, keep 16-bit attention
+            log.warning("nexfort: cuDNN's fp8 attention is not available on %s (%s: %s); attention stays in "
+                        "16-bit", torch.cuda.get_device_name(index), type(exc).__name__, exc)
+    _supported[index] = ok
+    return ok
+
+
+@torch.library.custom_op("nexfort::sdpa_fp8", mutates_args=())
+def sdpa_fp8(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp8 attention (module docstring): cuDNN on CUDA where it runs, the twin elsewhere."""
+    _check(q8, k8, v8, scales)
+    if q8.is_cuda and q8.shape[-1] % 16 == 0 and q8.shape[-1] <= 128:
+        q8, k8, v8 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q8, k8, v8))
+        out = _output(q8)
+        try:
+            graph = _graph_for(q8, k8, v8, out)
+            if graph is not None:
+                graph(q8, k8, v8, scales, out)
+                return out
+        except ImportError:
+            _warn_once("import", "nexfort: nvidia-cudnn-frontend is not installed: fp8 attention runs its torch twin")
+        except Exception as exc:  # this shape failed to build: the twin keeps the run going
+            _warn_once(f"{tuple(q8.shape)}", "nexfort: cuDNN fp8 attention failed for %s (%s: %s); the torch "
+                       "twin runs instead", tuple(q8.shape), type(exc).__name__, exc)
+    return torch_sdpa_fp8(q8, k8, v8, scales)
+
+
+@sdpa_fp8.register_fake
+def _(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    _check(q8, k8, v8, scales)
+    return _output(q8)

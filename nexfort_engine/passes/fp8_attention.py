@@ -1,0 +1,149 @@
+"""DiT attention in fp8: fused queries/keys in e4m3 into cuDNN's fp8 attention.
+
+What: :func:`rewrite_attentions` runs after :mod:`.fuse_rope` and walks a Dynamo graph for::
+
+    q = nexfort::rms_norm_rope(...)        # only read by the attention
+    k = nexfort::rms_norm_rope(...)        # likewise
+    out = F.scaled_dot_product_attention(q, k, v)   # no mask, no dropout, not causal, default scale
+
+and replaces it with::
+
+    q8, dq = nexfort::rms_norm_rope_fp8(<q's arguments>)   # e4m3 straight from the kernel
+    k8, dk = nexfort::rms_norm_rope_fp8(<k's arguments>)
+    v8, dv = quantize_tensor(v)                             # torch ops: one reduction, one pointwise
+    o8 = nexfort::sdpa_fp8(q8, k8, v8, pack_scales(dq, dk, dv))
+    out = (o8.float() * dv).to(v.dtype)                     # fused into the consumer by Inductor
+
+(:mod:`nexfort_engine.fp8_attention`, :mod:`nexfort_engine.rope`). Only 16-bit attentions whose
+head size is a multiple of 16 up to 128 (what cuDNN's fp8 forward takes) are rewritten.
+
+Why: cuDNN's fp8 attention is 1.40x its bf16 attention at Flux's shape on an H200, and Flux's O3
+step spends about a third of its time in attention (BENCHMARKS.md, fourteenth session).
+
+Why it is safe: the result has the same shape, dtype and layout-independent meaning; the error is
+e4m3's (measured and reported by the benchmark: :mod:`nexfort_engine.fp8_attention`). Only
+attentions whose queries and keys are read by nothing else are touched, so the 16-bit rotations
+disappear with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from .. import fp8_attention, rope  # noqa: F401 - registers nexfort::sdpa_fp8, nexfort::rms_norm_rope(_fp8)
+from ._fx import arg as _arg
+from ._fx import fake_meta as _fake_meta
+from ._fx import is_call as _is_call
+from ._fx import static as _static
+from ._fx import val as _val
+
+__all__ = ["dequantize", "find_matches", "rewrite_attentions"]
+
+log = logging.getLogger(__name__)
+
+_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_ROPE = torch.ops.nexfort.rms_norm_rope.default
+_ROPE_FP8 = torch.ops.nexfort.rms_norm_rope_fp8.default
+_SDPA_FP8 = torch.ops.nexfort.sdpa_fp8.default
+
+
+def dequantize(o8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The attention output in the model dtype (``o8 * descale``, float32, rounded once)."""
+    return (o8.float() * descale).to(dtype)
+
+
+def _default_args(node: fx.Node) -> bool:
+    """No mask, no dropout, not causal, the default scale, no GQA."""
+    mask, dropout = _arg(node, 3, "attn_mask"), _arg(node, 4, "dropout_p", 0.0)
+    causal, scale = _arg(node, 5, "is_causal", False), _arg(node, 6, "scale")
+    return (mask is None and dropout in (0, 0.0) and causal is False and scale is None
+            and not node.kwargs.get("enable_gqa", False) and len(node.args) <= 7)
+
+
+def _rope_source(node: Any, attention: fx.Node) -> fx.Node | None:
+    """``node`` when it is a fused rotation that only ``attention`` reads."""
+    if not _is_call(node, (_ROPE,)) or set(node.users) != {attention}:
+        return None
+    return node
+
+
+def find_matches(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
+    """(attention, q, k, v) for each attention :func:`rewrite_attentions` replaces."""
+    found = []
+    for node in gm.graph.nodes:
+        if not _is_call(node, _SDPA) or len(node.args) < 3 or not _default_args(node):
+            continue
+        q, k, v = (_arg(node, i, n) for i, n in enumerate(("query", "key", "value")))
+        if _rope_source(q, node) is None or _rope_source(k, node) is None or not isinstance(v, fx.Node):
+            continue
+        if q is k:
+            continue
+        qv, vv, ov = _val(q), _val(v), _val(node)
+        if qv is None or vv is None or ov is None or vv.dim() != 4:
+            continue
+        d = _static(qv.shape[-1])
+        if (d is None or d % 16 or d > 128 or _static(vv.shape[-1]) != d
+                or qv.dtype not in (torch.bfloat16, torch.float16) or vv.dtype != qv.dtype or ov.dtype != qv.dtype):
+            continue
+        found.append((node, q, k, v))
+    return found
+
+
+def _call(graph: fx.Graph, fn: Any, args: tuple, meta_fn: Any, *meta_args: Any) -> fx.Node:
+    node = graph.call_function(fn, args)
+    _fake_meta(node, meta_fn, *meta_args)
+    return node
+
+
+def _item(graph: fx.Graph, node: fx.Node, index: int) -> fx.Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    v = node.meta.get("example_value")
+    if isinstance(v, tuple):
+        item.meta["example_value"] = v[index]
+    return item
+
+
+def _fp8_rope(graph: fx.Graph, rope_node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    xs, weights, pe, eps = rope_node.args
+    node = graph.call_function(_ROPE_FP8, (list(xs), list(weights), pe, eps))
+    n = len(xs)
+
+    def call(*vals: Any) -> Any:
+        return _ROPE_FP8(list(vals[:n]), list(vals[n:2 * n]), vals[2 * n], eps)
+
+    _fake_meta(node, call, *xs, *weights, pe)
+    return _item(graph, node, 0), _item(graph, node, 1)
+
+
+def rewrite_attentions(gm: fx.GraphModule) -> int:
+    """Replace each attention :func:`find_matches` finds by the fp8 path; returns how many."""
+    matches = find_matches(gm)
+    if not matches:
+        return 0
+    graph = gm.graph
+    for attention, q, k, v in matches:
+        dtype = _val(attention).dtype  # type: ignore[union-attr]
+        with graph.inserting_before(attention):
+            q8, dq = _fp8_rope(graph, q)
+            k8, dk = _fp8_rope(graph, k)
+            vq = _call(graph, fp8_attention.quantize_tensor, (v,), fp8_attention.quantize_tensor, v)
+            v8, dv = _item(graph, vq, 0), _item(graph, vq, 1)
+            scales = _call(graph, fp8_attention.pack_scales, (dq, dk, dv), fp8_attention.pack_scales, dq, dk, dv)
+            o8 = _call(graph, _SDPA_FP8, (q8, k8, v8, scales), _SDPA_FP8, q8, k8, v8, scales)
+            out = graph.call_function(dequantize, (o8, dv, dtype))
+            _fake_meta(out, dequantize, o8, dv, dtype)
+        attention.replace_all_uses_with(out)
+        graph.erase_node(attention)
+        graph.erase_node(q)
+        graph.erase_node(k)
+    graph.lint()
+    gm.recompile()
+    log.debug("nexfort: %d attention(s) in fp8", len(matches))
+    return len(matches)
+
