@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from .fp8 import FP8_DTYPE
 from .rowwise_quant import FP8_MAX
 
-__all__ = ["SCALE_STRIDE", "cudnn_supported", "pack_scales", "quantize_tensor", "sdpa_fp8", "torch_sdpa_fp8"]
+__all__ = ["SCALE_STRIDE", "cudnn_supported", "pack_scales", "quantize_tensor", "quantize_values", "sdpa_fp8",
+           "torch_sdpa_fp8"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,18 @@ def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     one pointwise kernel."""
     amax = t.abs().amax().float().clamp(min=1e-12)
     q = (t.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, (amax / FP8_MAX).reshape(1, 1, 1, 1)
+
+
+def quantize_values(v: torch.Tensor, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_tensor` of attention's values ``v`` with their maximum from
+    ``nexfort::absmax`` (:mod:`nexfort_engine.absmax`) over ``parts``: ``[v]``, or the tensors
+    ``v`` concatenates on the sequence dim (the maximum is read from them, and the quantizing
+    pointwise kernel reads the concatenation without materializing it)."""
+    from . import absmax  # noqa: F401 - registers nexfort::absmax
+
+    amax = torch.ops.nexfort.absmax.default(parts).clamp(min=1e-12)
+    q = (v.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, (amax / FP8_MAX).reshape(1, 1, 1, 1)
 
 

@@ -10,7 +10,7 @@ and replaces it with::
 
     q8, dq = nexfort::rms_norm_rope_fp8(<q's arguments>)   # e4m3 straight from the kernel
     k8, dk = nexfort::rms_norm_rope_fp8(<k's arguments>)
-    v8, dv = quantize_tensor(v)                             # torch ops: one reduction, one pointwise
+    v8, dv = quantize_values(v, parts)      # nexfort::absmax over v (or the parts v concatenates), then one pointwise
     o8 = nexfort::sdpa_fp8(q8, k8, v8, pack_scales(dq, dk, dv))
     out = (o8.float() * dv).to(v.dtype)                     # fused into the consumer by Inductor
 
@@ -95,6 +95,18 @@ def find_matches(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx
     return found
 
 
+def _value_parts(v: fx.Node) -> list[fx.Node]:
+    """The tensors ``v`` concatenates on the sequence dim (Flux's double blocks: text and image
+    values), or ``[v]``."""
+    if _is_call(v, (torch.cat,)):
+        tensors, dim = _arg(v, 0, "tensors"), _arg(v, 1, "dim", 0)
+        vals = [_val(t) for t in tensors] if isinstance(tensors, (list, tuple)) else []
+        if (dim in (2, -2) and vals and all(isinstance(t, fx.Node) for t in tensors)
+                and all(x is not None and x.dim() == 4 for x in vals)):
+            return list(tensors)
+    return [v]
+
+
 def _call(graph: fx.Graph, fn: Any, args: tuple, meta_fn: Any, *meta_args: Any) -> fx.Node:
     node = graph.call_function(fn, args)
     _fake_meta(node, meta_fn, *meta_args)
@@ -132,7 +144,9 @@ def rewrite_attentions(gm: fx.GraphModule) -> int:
         with graph.inserting_before(attention):
             q8, dq = _fp8_rope(graph, q)
             k8, dk = _fp8_rope(graph, k)
-            vq = _call(graph, fp8_attention.quantize_tensor, (v,), fp8_attention.quantize_tensor, v)
+            parts = _value_parts(v)
+            vq = _call(graph, fp8_attention.quantize_values, (v, parts),
+                       lambda v_, *ps: fp8_attention.quantize_values(v_, list(ps)), v, *parts)
             v8, dv = _item(graph, vq, 0), _item(graph, vq, 1)
             scales = _call(graph, fp8_attention.pack_scales, (dq, dk, dv), fp8_attention.pack_scales, dq, dk, dv)
             o8 = _call(graph, _SDPA_FP8, (q8, k8, v8, scales), _SDPA_FP8, q8, k8, v8, scales)

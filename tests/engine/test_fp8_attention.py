@@ -127,7 +127,59 @@ def test_rope_kernel_fp8_output_matches_twin_interpreted():
             assert r["within_step_or_carry"], r
 
 
+ABSMAX_CHECK = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from nexfort_engine.absmax import triton_absmax, torch_absmax
+    torch.manual_seed(0)
+    rows = []
+    for b, n, h, d, dtype, config in [(1, 5, 3, 16, torch.bfloat16, None), (2, 37, 4, 32, torch.float16, (4, 32, 1)),
+                                      (2, 9, 2, 8, torch.bfloat16, (8, 16, 2)), (1, 70, 2, 64, torch.float32, (16, 16, 4))]:
+        qkv = torch.randn(b, n, 3, h, d, dtype=dtype)
+        v = qkv.permute(2, 0, 3, 1, 4)[2]  # a QKV projection's values
+        other = torch.randn(b, h, n + 3, d, dtype=dtype) * 3  # contiguous [B, H, L, D]
+        empty = torch.empty(b, h, 0, d, dtype=dtype)
+        for xs in ([v], [v, other], [empty, v]):
+            rows.append({"case": [b, n, h, d, str(dtype), str(config), len(xs)],
+                         "got": float(triton_absmax(xs, config)[0]), "want": float(torch_absmax(xs)[0])})
+    print(json.dumps(rows))
+    """
+)
+
+
+@needs_triton
+def test_absmax_kernel_matches_twin_interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", ABSMAX_CHECK, str(REPO)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 12
+    for r in rows:
+        assert r["got"] == r["want"] and r["want"] > 0, r  # a maximum is exact
+
+
 # -- the twins (CPU)
+
+
+def test_absmax_twin_and_values_quantization():
+    from nexfort_engine.absmax import absmax, kernel_takes, torch_absmax
+    from nexfort_engine.fp8_attention import quantize_values
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 3, 5, 16, generator=gen), torch.randn(2, 3, 7, 16, generator=gen) * 4
+    want = max(float(a.abs().max()), float(b.abs().max()))
+    assert float(absmax([a, b])[0]) == want and torch_absmax([a, b]).shape == (1,)
+    assert kernel_takes(a) and not kernel_takes(a.transpose(2, 3))
+    with pytest.raises(ValueError, match="B, H, L, D"):
+        absmax([a[0]])
+    v = torch.cat([a, b], dim=2)
+    v8, dv = quantize_values(v, [a, b])
+    ref8, ref_dv = quantize_tensor(v)
+    assert torch.equal(v8.float(), ref8.float()) and torch.equal(dv, ref_dv)
+    assert float(dv) == pytest.approx(want / 448)
+
 
 
 def test_fp8_rope_twin_is_the_16bit_op_in_e4m3():
@@ -351,11 +403,29 @@ def test_rope_kernel_fp8_matches_twin_on_gpu(lens, fb):
     ref, descale = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6)
     out = triton_rms_norm_rope(xs, ws, freqs, 1e-6, fp8_scale=1.0 / descale)
     assert out.dtype == FP8_DTYPE and out.stride() == ref.stride()
-    # the kernel's norm may round to bfloat16 differently from torch's CUDA rms_norm (one step),
-    # which can move a value across an e4m3 rounding boundary: one e4m3 step at most, rarely
+    # the kernel's norm may round to bfloat16 differently from torch's CUDA rms_norm (one step of
+    # the row's larger value, carried through the rotation, which can cancel: run106), which can
+    # move a value across an e4m3 rounding boundary: one e4m3 step plus that, rarely
     err = (out.float() - ref.float()).abs()
-    assert bool((err <= _step(ref, out)).all())
+    row_max = ref.float().abs().amax(dim=-1, keepdim=True)
+    assert bool((err <= _step(ref, out) + 2 ** -7 * row_max).all())
     assert float((err > 0).float().mean()) < 0.05
+    assert tiny_models.rel_l2(out.float(), ref.float()) < 0.01
+
+
+@pytest.mark.gpu
+@gpu
+def test_absmax_kernel_on_gpu():
+    from nexfort_engine.absmax import absmax, triton_absmax
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(1, 4608, 21504, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = qkv[..., 6144:9216].view(1, 4608, 24, 128).transpose(1, 2)  # a Flux single block's values
+    txt = torch.randn(1, 512, 3, 24, 128, device="cuda", dtype=torch.bfloat16, generator=gen).permute(2, 0, 3, 1, 4)[2]
+    for xs in ([v], [txt, v]):
+        want = torch.stack([x.abs().amax().float() for x in xs]).amax()
+        assert float(triton_absmax(xs)[0]) == float(want)
+        assert float(absmax(xs)[0]) == float(want)
 
 
 @pytest.mark.gpu
