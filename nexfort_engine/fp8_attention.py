@@ -19,9 +19,10 @@ their accounting in run104).
 * CUDA with ``nvidia-cudnn-frontend`` (the ``cudnn`` Python module, an optional dependency) on a
   GPU whose cuDNN has fp8 attention (Hopper): cuDNN's ``sdpa_fp8`` graph, built once per shape,
   strides and device. On Hopper its output must be fp8 (a 16-bit output is Blackwell only).
-* Elsewhere, or when building the graph fails: the twin :func:`torch_sdpa_fp8` (the dequantized
-  operands through float32 attention, then the same output quantization; cuDNN also rounds the
-  probabilities to e4m3, which the twin does not). A failure on CUDA is logged once.
+* Elsewhere: the twin :func:`torch_sdpa_fp8` (the dequantized operands through float32 attention,
+  then the same output quantization; cuDNN also rounds the probabilities to e4m3, which the twin
+  does not). On CUDA where a graph does not build (or the module is missing): the dequantized
+  operands through 16-bit attention, logged once.
 
 Why: at Flux's 1024² shape cuDNN's fp8 forward took 286 us against 401 us for bf16 on an H200
 (run100), about 8 ms of a step's 57 attention calls (runs 104-105). The quantization must not
@@ -86,7 +87,10 @@ def quantize_values(v: torch.Tensor, parts: list[torch.Tensor]) -> tuple[torch.T
 
     amax = torch.ops.nexfort.absmax.default(parts).clamp(min=1e-12)
     q = (v.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, (amax / FP8_MAX).reshape(1, 1, 1, 1)
+    # in [B, L, H, D] memory as the queries and keys (a layout, not a copy: Inductor writes the
+    # quantized values there), so every block's attention has the same strides and shares one
+    # cuDNN graph per shape (each build costs warm-start time)
+    return q.transpose(1, 2).contiguous().transpose(1, 2), (amax / FP8_MAX).reshape(1, 1, 1, 1)
 
 
 def pack_scales(descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: torch.Tensor) -> torch.Tensor:
@@ -203,40 +207,34 @@ def _warn_once(key: str, message: str, *args: Any) -> None:
 
 
 def cudnn_supported(device: torch.device | str) -> bool:
-    """Whether cuDNN's fp8 attention runs on ``device``: a CUDA GPU of compute capability 9.0+,
-    the ``cudnn`` module (``pip install nvidia-cudnn-frontend``), and a small graph that builds
-    and runs (checked once per device)."""
+    """Whether cuDNN's fp8 attention can run on ``device``: a CUDA GPU of compute capability 9.0+
+    and the ``cudnn`` module (``pip install nvidia-cudnn-frontend``). Whether a given shape's graph
+    builds is known at its first call; one that does not runs :func:`_sdpa_16bit` instead (no probe
+    graph here: each build costs warm-start time)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _supported:
-        return _supported[index]
-    ok = False
-    if torch.cuda.get_device_capability(index) < MIN_CAPABILITY:
-        pass
-    else:
-        try:
-            import cudnn  # noqa: F401 - nvidia-cudnn-frontend
+    if index not in _supported:
+        ok = torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+        if ok:
+            try:
+                import cudnn  # noqa: F401 - nvidia-cudnn-frontend
+            except ImportError:
+                ok = False
+                log.info("nexfort: fp8 attention needs nvidia-cudnn-frontend (pip install "
+                         "nvidia-cudnn-frontend); attention stays in 16-bit")
+        _supported[index] = ok
+    return _supported[index]
 
-            dev = torch.device("cuda", index)
-            q = torch.zeros(1, 1, 128, 128, device=dev, dtype=FP8_DTYPE)
-            one = torch.ones(1, device=dev)
-            out = _output(q)
-            graph = _graph_for(q, q, q, out)
-            if graph is None:
-                raise RuntimeError("the probe graph did not build")
-            graph(q, q, q, pack_scales(one, one, one), out)
-            torch.cuda.synchronize(dev)
-            ok = True
-        except ImportError:
-            log.info("nexfort: fp8 attention needs nvidia-cudnn-frontend (pip install nvidia-cudnn-frontend); "
-                     "attention stays in 16-bit")
-        except Exception as exc:  # an old cuDNN, an unsupported GPU: say so, keep 16-bit attention
-            log.warning("nexfort: cuDNN's fp8 attention is not available on %s (%s: %s); attention stays in "
-                        "16-bit", torch.cuda.get_device_name(index), type(exc).__name__, exc)
-    _supported[index] = ok
-    return ok
+
+def _sdpa_16bit(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fallback on CUDA where cuDNN's graph does not build: the dequantized operands through
+    bfloat16 attention (fast), the output quantized as cuDNN's."""
+    q, k, v = (t.to(torch.bfloat16) * _scalar(scales, n).to(torch.bfloat16)
+               for t, n in ((q8, "descale_q"), (k8, "descale_k"), (v8, "descale_v")))
+    out = F.scaled_dot_product_attention(q, k, v).float() * _scalar(scales, "scale_o")
+    return _output(q8).copy_(out.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
 
 
 @torch.library.custom_op("nexfort::sdpa_fp8", mutates_args=())
@@ -252,10 +250,11 @@ def sdpa_fp8(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch
                 graph(q8, k8, v8, scales, out)
                 return out
         except ImportError:
-            _warn_once("import", "nexfort: nvidia-cudnn-frontend is not installed: fp8 attention runs its torch twin")
-        except Exception as exc:  # this shape failed to build: the twin keeps the run going
-            _warn_once(f"{tuple(q8.shape)}", "nexfort: cuDNN fp8 attention failed for %s (%s: %s); the torch "
-                       "twin runs instead", tuple(q8.shape), type(exc).__name__, exc)
+            _warn_once("import", "nexfort: nvidia-cudnn-frontend is not installed: fp8 attention runs in 16-bit")
+        except Exception as exc:  # this shape failed to build: 16-bit attention keeps the run going
+            _warn_once(f"{tuple(q8.shape)}", "nexfort: cuDNN fp8 attention failed for %s (%s: %s); 16-bit "
+                       "attention runs instead", tuple(q8.shape), type(exc).__name__, exc)
+        return _sdpa_16bit(q8, k8, v8, scales)
     return torch_sdpa_fp8(q8, k8, v8, scales)
 
 

@@ -71,8 +71,12 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 PROLOGUES: dict[str, int] = {"none": 0, "gelu_tanh": 1, "gelu": 2, "geglu": 3}
 
 
-def _check(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> int:
+def _check(h: torch.Tensor, a: torch.Tensor | None, prologue: str, a_scale: torch.Tensor | None = None) -> int:
     """Validate the arguments; returns the width of ``f(h)``."""
+    if a_scale is not None and (a is None or a.dtype != FP8_DTYPE or a_scale.numel() != 1
+                                or a_scale.dtype != torch.float32):
+        raise ValueError("quant_rows: a_scale (one float32 value) goes with an e4m3 a, got "
+                         f"a={None if a is None else a.dtype}, a_scale={a_scale.dtype} {tuple(a_scale.shape)}")
     if prologue not in PROLOGUES:
         raise ValueError(f"quant_rows: unknown prologue {prologue!r}; valid: {', '.join(PROLOGUES)}")
     if h.dim() != 2 or (a is not None and (a.dim() != 2 or a.shape[0] != h.shape[0])):
@@ -95,20 +99,26 @@ def _prologue(h: torch.Tensor, prologue: str) -> torch.Tensor:
     return h
 
 
-def torch_scaled_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_scaled_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str,
+                      a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference up to the final cast: the producer in the inputs' dtype, as eager runs it,
-    then ``x / scale`` clamped to e4m3's range, in float32. Returns (float32 [M, KA + K], [M, 1])."""
-    _check(h, a, prologue)
+    then ``x / scale`` clamped to e4m3's range, in float32. Returns (float32 [M, KA + K], [M, 1]).
+    With ``a_scale``, ``a`` is e4m3 and its values are ``a * a_scale`` in float32 (not rounded to
+    the model dtype: the kernel does not either)."""
+    _check(h, a, prologue, a_scale)
     x = _prologue(h, prologue)
-    if a is not None:
+    if a is not None and a_scale is not None:
+        x = torch.cat([a.float() * a_scale.reshape(1).float(), x.float()], dim=-1)
+    elif a is not None:
         x = torch.cat([a.to(x.dtype), x], dim=-1)
     return scale_rowwise(x)
 
 
-def torch_quant_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_quant_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str,
+                     a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: :func:`nexfort_engine.fp8.quantize_rowwise` of the producer's output.
     Returns (e4m3 [M, KA + K], float32 [M, 1])."""
-    scaled, scale = torch_scaled_rows(h, a, prologue)
+    scaled, scale = torch_scaled_rows(h, a, prologue, a_scale)
     return scaled.to(FP8_DTYPE), scale
 
 
@@ -181,6 +191,7 @@ def triton_quant_rows(
     out_dtype: torch.dtype = FP8_DTYPE,
     fast: bool = False,
     hw_tanh: bool = False,
+    a_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_quant_rows` in one Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``).
     ``config`` (one_pass, BLOCK, num_warps) overrides :func:`launch_config` (benchmarks, tests; a
@@ -189,8 +200,9 @@ def triton_quant_rows(
     GPU's round-to-nearest-even conversion). ``fast``: approximate division in the tanh-form GELU
     and one reciprocal per row instead of a division per value (float32 results within a few ulp).
     ``hw_tanh``: the tanh-form GELU through the GPU's ``tanh.approx.f32`` (relative error about
-    2^-11 in the tanh; CUDA only: Triton's interpreter has no inline assembly)."""
-    k = _check(h, a, prologue)
+    2^-11 in the tanh; CUDA only: Triton's interpreter has no inline assembly). ``a_scale``: see
+    :func:`torch_scaled_rows`."""
+    k = _check(h, a, prologue, a_scale)
     if hw_tanh and not h.is_cuda:
         raise ValueError("quant_rows: hw_tanh needs a CUDA tensor (inline PTX)")
     if h.stride(-1) != 1:
@@ -209,11 +221,11 @@ def triton_quant_rows(
         block = chunk_width(k, block)
         chunks = _cdiv(max(k, 1), block)
     _kernel()[(m,)](
-        h, a if a is not None else h, q, scale,
+        h, a if a is not None else h, q, scale, a_scale.reshape(1) if a_scale is not None else scale,
         k, ka, h.stride(0), a.stride(0) if a is not None else 0, q.stride(0),
         PROLOGUE=PROLOGUES[prologue], HAS_A=a is not None, BLOCK=block, FMAX=FP8_MAX,
         ONE_PASS=one_pass, BLOCK_A=_pow2_at_least(max(ka, 1)), FAST=fast, NCH=chunks,
-        HW_TANH=hw_tanh and prologue == "gelu_tanh",
+        HW_TANH=hw_tanh and prologue == "gelu_tanh", A_SCALED=a_scale is not None,
         num_warps=warps,
     )
     return q, scale
@@ -227,19 +239,22 @@ gpu_form = "hw-tanh"
 
 
 @torch.library.custom_op("nexfort::quant_rows", mutates_args=())
-def quant_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_rows(h: torch.Tensor, a: torch.Tensor | None, prologue: str,
+               a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rowwise(cat([a, f(h)], -1))`` with ``f`` named by ``prologue`` (module docstring):
-    (e4m3 [M, KA + K], float32 scales [M, 1]). The Triton kernel on CUDA (in the form
+    (e4m3 [M, KA + K], float32 scales [M, 1]). With ``a_scale``, ``a`` is e4m3 holding
+    ``a / a_scale`` (fp8 attention's output). The Triton kernel on CUDA (in the form
     :data:`gpu_form` names), the torch twin elsewhere."""
     if h.is_cuda and triton_available():
         fast, hw_tanh = GPU_FORMS[gpu_form]
-        return triton_quant_rows(h, a, prologue, fast=fast, hw_tanh=hw_tanh)
-    return torch_quant_rows(h, a, prologue)
+        return triton_quant_rows(h, a, prologue, fast=fast, hw_tanh=hw_tanh, a_scale=a_scale)
+    return torch_quant_rows(h, a, prologue, a_scale)
 
 
 @quant_rows.register_fake
-def _(h: torch.Tensor, a: torch.Tensor | None, prologue: str) -> tuple[torch.Tensor, torch.Tensor]:
-    k = _check(h, a, prologue)
+def _(h: torch.Tensor, a: torch.Tensor | None, prologue: str,
+      a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    k = _check(h, a, prologue, a_scale)
     ka = a.shape[1] if a is not None else 0
     return h.new_empty((h.shape[0], ka + k), dtype=FP8_DTYPE), h.new_empty((h.shape[0], 1), dtype=torch.float32)
 

@@ -74,13 +74,25 @@ def _put(q_row, v, c: tl.constexpr, K, scale, BLOCK: tl.constexpr, FMAX: tl.cons
 
 
 @triton.jit
+def _load_a(a_row, offs, mask, as_ptr, A_SCALED: tl.constexpr):
+    """The copied part at ``offs`` in float32: fp8 values times their per-tensor descale when
+    ``A_SCALED`` (fp8 attention's output, :mod:`nexfort_engine.passes.fp8_attention`)."""
+    v = tl.load(a_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if A_SCALED:
+        v = v * tl.load(as_ptr)
+    return v
+
+
+@triton.jit
 def quant_rows_kernel(
-    h_ptr, a_ptr, q_ptr, s_ptr,
+    h_ptr, a_ptr, q_ptr, s_ptr, as_ptr,
     K, KA, stride_h, stride_a, stride_q,
     PROLOGUE: tl.constexpr, HAS_A: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
     ONE_PASS: tl.constexpr, BLOCK_A: tl.constexpr, FAST: tl.constexpr = False, NCH: tl.constexpr = 1,  # 1..8: rowwise_quant.MAX_CHUNKS
-    HW_TANH: tl.constexpr = False,
+    HW_TANH: tl.constexpr = False, A_SCALED: tl.constexpr = False,
 ):
+    """One row of ``quantize_rowwise(cat([a, f(h)], -1))`` per program (``as_ptr``: ``a``'s
+    descale when ``A_SCALED``, else unused)."""
     row = tl.program_id(0).to(tl.int64)
     h_row = h_ptr + row * stride_h
     a_row = a_ptr + row * stride_a
@@ -115,7 +127,7 @@ def quant_rows_kernel(
         if HAS_A:
             offs_a = tl.arange(0, BLOCK_A)
             mask_a = offs_a < KA
-            va = tl.load(a_row + offs_a, mask=mask_a, other=0.0).to(tl.float32)
+            va = _load_a(a_row, offs_a, mask_a, as_ptr, A_SCALED)
             amax = tl.maximum(amax, tl.max(tl.abs(va), axis=0))
             scale = tl.maximum(amax, 1e-12) / FMAX
             qa = _scaled(va, scale, FMAX, FAST)
@@ -146,7 +158,7 @@ def quant_rows_kernel(
         if HAS_A:
             for k0 in range(0, KA, BLOCK):
                 offs = k0 + offs0
-                v = tl.load(a_row + offs, mask=offs < KA, other=0.0).to(tl.float32)
+                v = _load_a(a_row, offs, offs < KA, as_ptr, A_SCALED)
                 acc = tl.maximum(acc, tl.abs(v))
         for k0 in range(0, K, BLOCK):
             offs = k0 + offs0
@@ -159,7 +171,7 @@ def quant_rows_kernel(
             for k0 in range(0, KA, BLOCK):
                 offs = k0 + offs0
                 mask = offs < KA
-                v = tl.load(a_row + offs, mask=mask, other=0.0).to(tl.float32)
+                v = _load_a(a_row, offs, mask, as_ptr, A_SCALED)
                 q = _scaled(v, scale, FMAX, FAST)
                 tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         for k0 in range(0, K, BLOCK):

@@ -15,7 +15,11 @@ and replaces it with::
     out = (o8.float() * dv).to(v.dtype)                     # fused into the consumer by Inductor
 
 (:mod:`nexfort_engine.fp8_attention`, :mod:`nexfort_engine.rope`). Only 16-bit attentions whose
-head size is a multiple of 16 up to 128 (what cuDNN's fp8 forward takes) are rewritten.
+head size is a multiple of 16 up to 128 (what cuDNN's fp8 forward takes) are rewritten. Where the
+output only goes, through ``transpose(1, 2)`` and reshapes, into ``nexfort::quant_rows`` as its
+copied part ``a`` (Flux's single blocks: ``cat([attention, mlp])`` quantized for ``linear2``, by
+:mod:`.fuse_quant`), that op reads the e4m3 output with its descale instead (``a_scale``), so the
+16-bit output is never written.
 
 Why: cuDNN's fp8 attention is 1.40x its bf16 attention at Flux's shape on an H200, and Flux's O3
 step spends about a third of its time in attention (BENCHMARKS.md, fourteenth session).
@@ -36,10 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from .. import fp8_attention, rope  # noqa: F401 - registers nexfort::sdpa_fp8, nexfort::rms_norm_rope(_fp8)
+from .. import fp8_attention, rope, rowwise_quant  # noqa: F401 - registers the ops used here
 from ._fx import arg as _arg
+from ._fx import erase_dead as _erase_dead
 from ._fx import fake_meta as _fake_meta
 from ._fx import is_call as _is_call
+from ._fx import is_method as _is_method
 from ._fx import static as _static
 from ._fx import val as _val
 
@@ -51,6 +57,7 @@ _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attenti
 _ROPE = torch.ops.nexfort.rms_norm_rope.default
 _ROPE_FP8 = torch.ops.nexfort.rms_norm_rope_fp8.default
 _SDPA_FP8 = torch.ops.nexfort.sdpa_fp8.default
+_QUANT_ROWS = torch.ops.nexfort.quant_rows.default
 
 
 def dequantize(o8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -133,6 +140,42 @@ def _fp8_rope(graph: fx.Graph, rope_node: fx.Node) -> tuple[fx.Node, fx.Node]:
     return _item(graph, node, 0), _item(graph, node, 1)
 
 
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _fold_into_quant_rows(graph: fx.Graph, out: fx.Node, o8: fx.Node, dv: fx.Node) -> bool:
+    """Hand ``o8`` and its descale to the ``quant_rows`` that ``out`` (its dequantization) only
+    feeds as ``a`` through ``transpose(1, 2)`` and reshapes (module docstring)."""
+    t = _only_user(out)
+    if not (_is_method(t, "transpose") and tuple(t.args[1:]) in ((1, 2), (2, 1), (-3, -2), (-2, -3))):
+        return False
+    chain, node = [t], _only_user(t)
+    while node is not None and (_is_method(node, "reshape") or _is_method(node, "view")):
+        chain.append(node)
+        node = _only_user(node)
+    a2 = chain[-1]
+    if (node is None or not _is_call(node, (_QUANT_ROWS,)) or len(chain) < 2 or _arg(node, 1, "a") is not a2
+            or _arg(node, 3, "a_scale") is not None or node.kwargs):
+        return False
+    a2v = _val(a2)
+    width = _static(a2v.shape[-1]) if a2v is not None and a2v.dim() == 2 else None
+    if width is None:
+        return False
+    h2, prologue = node.args[0], node.args[2]
+    with graph.inserting_before(node):
+        t8 = graph.call_method("transpose", (o8, 1, 2))
+        _fake_meta(t8, lambda x: x.transpose(1, 2), o8)
+        a8 = graph.call_method("reshape", (t8, -1, width))
+        _fake_meta(a8, lambda x: x.reshape(-1, width), t8)
+        fused = graph.call_function(_QUANT_ROWS, (h2, a8, prologue, dv))
+        _fake_meta(fused, _QUANT_ROWS, h2, a8, prologue, dv)
+    node.replace_all_uses_with(fused)
+    graph.erase_node(node)
+    _erase_dead([*reversed(chain), out])
+    return True
+
+
 def rewrite_attentions(gm: fx.GraphModule) -> int:
     """Replace each attention :func:`find_matches` finds by the fp8 path; returns how many."""
     matches = find_matches(gm)
@@ -156,6 +199,7 @@ def rewrite_attentions(gm: fx.GraphModule) -> int:
         graph.erase_node(attention)
         graph.erase_node(q)
         graph.erase_node(k)
+        _fold_into_quant_rows(graph, out, o8, dv)
     graph.lint()
     gm.recompile()
     log.debug("nexfort: %d attention(s) in fp8", len(matches))
