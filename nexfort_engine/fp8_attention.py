@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from typing import Any
 
 import torch
@@ -195,8 +196,11 @@ def _graph_for(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, out: torch.
         if key in _graphs:
             return _graphs[key]
         _graphs[key] = None  # until it has built
+        start = time.perf_counter()
         with torch.cuda.device(q8.device):
             graph = _graphs[key] = _Graph(_handle(q8.device), q8, k8, v8, out)
+        log.info("nexfort: cuDNN fp8 attention graph for %s built in %.2f s", tuple(q8.shape),
+                 time.perf_counter() - start)
         return graph
 
 
