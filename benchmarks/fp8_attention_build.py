@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,6 @@ from nexfort_engine.rope import torch_rms_norm_rope, torch_rms_norm_rope_fp8, tr
 def build_times(shape: tuple[int, int, int, int]) -> dict[str, Any]:
     """Seconds to build the graph (cold, then a second shape-identical graph), and the frontend's
     serialization round trip where it has one."""
-    import cudnn
-
     q = torch.zeros(shape, device="cuda", dtype=torch.float8_e4m3fn).transpose(1, 2).contiguous().transpose(1, 2)
     out = fa._output(q)
     row: dict[str, Any] = {"shape": list(shape)}
@@ -40,16 +40,62 @@ def build_times(shape: tuple[int, int, int, int]) -> dict[str, Any]:
         row[name] = round(time.perf_counter() - t0, 3)
     try:
         t0 = time.perf_counter()
-        data = g.graph.serialize()
+        data = g.serialize()
         row["serialize s"] = round(time.perf_counter() - t0, 3)
         row["serialized bytes"] = len(data)
         t0 = time.perf_counter()
-        g2 = cudnn.pygraph(handle=handle)
-        g2.deserialize(data)
+        g2 = fa._Graph(handle, q, q, q, out, serialized=data)
         row["deserialize s"] = round(time.perf_counter() - t0, 3)
+        one = torch.ones(1, device="cuda")
+        qr = (torch.randn(shape, device="cuda") * 50).to(torch.float8_e4m3fn).transpose(1, 2).contiguous().transpose(1, 2)
+        outs = []
+        for graph in (g, g2):
+            o = fa._output(qr)
+            graph(qr, qr, qr, fa.pack_scales(one, one, one), o)
+            outs.append(o.float())
+        row["deserialized graph gives the same output"] = bool(torch.equal(outs[0], outs[1]))
+        # a new process: import, handle, load the saved graph, first execution
+        path = Path(tempfile.mkdtemp()) / "plan.cudnn"
+        path.write_bytes(data)
+        child = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(Path(__file__).resolve().parent.parent),
+                                str(path), json.dumps(list(shape))], capture_output=True, text=True, timeout=120)
+        row["fresh process"] = json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 else child.stderr[-800:]
     except Exception as exc:  # say why
         row["serialization"] = f"{type(exc).__name__}: {exc}"[:400]
     return row
+
+
+FRESH_PROCESS = """
+import json, sys, time
+t = {}
+t0 = time.perf_counter()
+import torch
+torch.zeros(1, device="cuda")
+t["torch + CUDA context s"] = time.perf_counter() - t0
+sys.path.insert(0, sys.argv[1])
+t0 = time.perf_counter()
+import cudnn
+t["import cudnn s"] = time.perf_counter() - t0
+from nexfort_engine import fp8_attention as fa
+shape = json.loads(sys.argv[3])
+q = torch.zeros(shape, device="cuda", dtype=torch.float8_e4m3fn).transpose(1, 2).contiguous().transpose(1, 2)
+out = fa._output(q)
+t0 = time.perf_counter()
+handle = fa._handle(q.device)
+t["handle s"] = time.perf_counter() - t0
+t0 = time.perf_counter()
+g = fa._Graph(handle, q, q, q, out, serialized=open(sys.argv[2], "rb").read())
+t["load s"] = time.perf_counter() - t0
+one = torch.ones(1, device="cuda")
+t0 = time.perf_counter()
+g(q, q, q, fa.pack_scales(one, one, one), out)
+torch.cuda.synchronize()
+t["first execution s"] = time.perf_counter() - t0
+t0 = time.perf_counter()
+g2 = fa._Graph(handle, q, q, q, out)
+t["build after load s"] = time.perf_counter() - t0
+print(json.dumps({k: round(v, 3) for k, v in t.items()}))
+"""
 
 
 def rope_differences(lens: list[int], fb: int) -> dict[str, Any]:

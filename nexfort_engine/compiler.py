@@ -353,6 +353,10 @@ class CompiledModule(torch.nn.Module):
         with contextlib.ExitStack() as stack:
             if self._nx_entry is not None:
                 stack.enter_context(self._nx_entry.activate())
+                if self._nx_settings.fp8_attention:  # cuDNN's graphs saved with the entry
+                    from .fp8_attention import plan_cache
+
+                    stack.enter_context(plan_cache(self._nx_entry.artifacts / "cudnn"))
             stack.enter_context(shapes.shape_policy(self._nx_config.dynamic, self._nx_config.size_oblivious))
             stack.enter_context(runtime_overrides(self._nx_settings.runtime))
             if self._nx_settings.fp8 and not self._nx_regions:

@@ -193,7 +193,8 @@ def triton_rms_norm_rope(
                 words.stride(0), words.stride(1), words.stride(2),
                 freqs.stride(0) if freqs.shape[0] > 1 else 0, freqs.stride(2),
                 float(eps),
-                HALF=d // 2, BLOCK_R=block_r, DTYPE=KERNEL_DTYPES[dtype], FP8=fp8, num_warps=warps,
+                HALF=d // 2, BLOCK_R=block_r, DTYPE=KERNEL_DTYPES[dtype], FP8=fp8, HW_CVT=fp8 and x.is_cuda,
+                num_warps=warps,
             )
         row0 += n
     return storage.permute(0, 2, 1, 3)

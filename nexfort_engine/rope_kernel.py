@@ -66,12 +66,30 @@ def _e4m3_bits(x, scale):
 
 
 @triton.jit
+def _e4m3x2(lo, hi, scale, HW_CVT: tl.constexpr):
+    """One 16-bit word of two e4m3 values (``lo * scale`` in the low byte, ``hi * scale`` in the
+    high byte, each clamped to +-448), as int16. ``HW_CVT``: the GPU's ``cvt.rn.satfinite.e4m3x2.f32``
+    (CUDA only; Triton 3.6 on an H200 packed the bytes of the form below wrongly for all but the
+    first eight words of a row, run109); else the portable form (Triton's interpreter)."""
+    a = tl.minimum(tl.maximum(lo * scale, -448.0), 448.0)
+    b = tl.minimum(tl.maximum(hi * scale, -448.0), 448.0)
+    if HW_CVT:
+        # the first source goes to the upper byte
+        return tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [a, b],
+                                         dtype=tl.int16, is_pure=True, pack=1)
+    else:
+        word = _e4m3_bits(a, 1.0) | (_e4m3_bits(b, 1.0) << 8)
+        return word.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
 def rms_norm_rope_kernel(
     x_ptr, w_ptr, f_ptr, o_ptr, s_ptr,
     L, H, L_OUT, ROW0,
     sxb, sxh, sxl, sfb, sfl,
     eps,
     HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, FP8: tl.constexpr,
+    HW_CVT: tl.constexpr = False,
 ):
     """``x_ptr``: int32 view (one word per pair); ``o_ptr``: int32 view, or int16 with ``FP8``
     (``s_ptr``: the float32 scale; unused otherwise); strides in words; ``L`` rows of this part at
@@ -97,9 +115,7 @@ def rms_norm_rope_kernel(
     o1 = tl.load(f + 2, mask=mask, other=0.0) * y0 + tl.load(f + 3, mask=mask, other=0.0) * y1
     out = ((b * L_OUT + ROW0 + pos) * H + head) * HALF  # [B, L, H, D] storage: rows stream out
     if FP8:
-        scale = tl.load(s_ptr)
-        half_word = _e4m3_bits(o0, scale) | (_e4m3_bits(o1, scale) << 8)
-        tl.store(o_ptr + out[:, None] + pairs[None, :], half_word.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(o_ptr + out[:, None] + pairs[None, :], _e4m3x2(o0, o1, tl.load(s_ptr), HW_CVT), mask=mask)
     else:
         word = _bits(o0, DTYPE) | (_bits(o1, DTYPE) << 16)
         tl.store(o_ptr + out[:, None] + pairs[None, :], word.to(tl.int32, bitcast=True), mask=mask)

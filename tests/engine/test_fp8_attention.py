@@ -266,6 +266,18 @@ def test_sdpa_fp8_twin_against_float32_attention():
     assert tiny_models.rel_l2(out, F.scaled_dot_product_attention(q, k, v)) < 0.06
 
 
+def test_plan_cache_context(tmp_path):
+    from nexfort_engine import fp8_attention as fa
+
+    assert fa._plan_dir is None
+    with fa.plan_cache(tmp_path / "cudnn"):
+        assert fa._plan_dir == tmp_path / "cudnn"
+        with fa.plan_cache(None):
+            assert fa._plan_dir is None
+        assert fa._plan_dir == tmp_path / "cudnn"
+    assert fa._plan_dir is None
+
+
 def test_bad_arguments_name_the_valid_values():
     q8 = torch.zeros(1, 2, 4, 16, dtype=FP8_DTYPE)
     scales = pack_scales(*(torch.ones(1) for _ in range(3)))
@@ -546,3 +558,36 @@ def test_cudnn_fp8_attention_on_gpu(shape):
     assert tiny_models.rel_l2(out, ref) < 0.2
     assert tiny_models.rel_l2(twin, ref) < 0.06
     assert tiny_models.rel_l2(out, twin) < 0.2
+
+
+@pytest.mark.gpu
+@gpu
+def test_cudnn_plans_are_saved_loaded_and_rebuilt(tmp_path):
+    """A built graph is saved in the plan cache; a new process (here: the in-memory graphs
+    forgotten) loads it instead of building, with the same results; a corrupt file is rebuilt."""
+    from nexfort_engine import fp8_attention as fa
+
+    if not fa.cudnn_supported("cuda"):
+        pytest.skip("cuDNN's fp8 attention is not available (nvidia-cudnn-frontend, Hopper)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, 4, 300, 128)
+    q, k, v = (torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    (q8, dq), (k8, dk), (v8, dv) = (quantize_tensor(t) for t in (q, k, v))
+    scales = pack_scales(dq, dk, dv)
+
+    def run_fresh():
+        fa._graphs.clear()
+        with fa.plan_cache(tmp_path):
+            return sdpa_fp8(q8, k8, v8, scales).float()
+
+    before = dict(fa.plan_stats)
+    first = run_fresh()
+    files = list(tmp_path.glob("*.cudnn"))
+    assert len(files) == 1 and fa.plan_stats["built"] == before["built"] + 1
+    again = run_fresh()
+    assert fa.plan_stats["loaded"] == before["loaded"] + 1 and torch.equal(first, again)
+    files[0].write_bytes(b'{"o": 1}\ngarbage')
+    rebuilt = run_fresh()
+    assert fa.plan_stats["rebuilt"] == before["rebuilt"] + 1 and torch.equal(first, rebuilt)
+    assert files[0].read_bytes() != b'{"o": 1}\ngarbage'  # replaced by the rebuilt graph
+    fa._graphs.clear()
