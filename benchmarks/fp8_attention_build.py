@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from nexfort_engine import fp8_attention as fa  # noqa: E402
-from nexfort_engine.rope import torch_rms_norm_rope, torch_rms_norm_rope_fp8, triton_rms_norm_rope  # noqa: E402
+from nexfort_engine.rope import fp8_scales, torch_rms_norm_rope, torch_rms_norm_rope_fp8, triton_rms_norm_rope  # noqa: E402
 
 
 def build_times(shape: tuple[int, int, int, int]) -> dict[str, Any]:
@@ -108,8 +108,9 @@ def rope_differences(lens: list[int], fb: int) -> dict[str, Any]:
     xs = [t.permute(2, 0, 3, 1, 4)[0] for t in qkvs]
     ws = [(torch.randn(d, generator=gen, device="cuda") * 0.5 + 1).to(torch.bfloat16) for _ in lens]
     freqs = tiny_models.rotations(fb, sum(lens), d).cuda()
-    ref, descale = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6)
-    out = triton_rms_norm_rope(xs, ws, freqs, 1e-6, fp8_scale=1.0 / descale)
+    scale, descale = fp8_scales(ws, 128)
+    ref = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6, scale)
+    out = triton_rms_norm_rope(xs, ws, freqs, 1e-6, fp8_scale=scale)
     bf16 = triton_rms_norm_rope(xs, ws, freqs, 1e-6)
     exact = torch_rms_norm_rope([x.float() for x in xs], [w.float() for w in ws], freqs, 1e-6)
     o, r = out.float(), ref.float()

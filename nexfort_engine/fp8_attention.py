@@ -161,7 +161,7 @@ class _Graph:
             if set(self.uids) != set(_UIDS) | set(_OUTPUTS):
                 raise ValueError("the saved graph does not name its outputs")
             g = cudnn.pygraph(handle=handle)
-            g.deserialize(data)
+            g.deserialize(list(data))  # the binding takes a list of byte values
             self.graph = g
             self.workspace_size = max(int(g.get_workspace_size()), 1)
             return

@@ -32,9 +32,10 @@ values as in eager, one rounding at the end. The result can differ from eager by
 step of the model dtype; the tests bound it.
 
 fp8 (``nexfort::rms_norm_rope_fp8``, for :mod:`nexfort_engine.fp8_attention`): the same rows,
-scaled by ``1 / descale`` and stored as e4m3 (clamped to +-448) in the same layout, with
-``descale = sqrt(D) * max_i |w_i| / 448`` ([1, 1, 1, 1] float32, on the device: no host
-synchronisation). That scale needs no pass over the result: ``sum_i (x_i / rms(x))^2 <= D``, so
+times ``scale`` and stored as e4m3 (clamped to +-448) in the same layout, with
+``scale = 1 / descale`` and ``descale = sqrt(D) * max_i |w_i| / 448`` (:func:`fp8_scales`;
+[1, 1, 1, 1] float32 on the device, no host synchronisation; made in the compiled graph, where
+Inductor computes both in one small kernel). That scale needs no pass over the result: ``sum_i (x_i / rms(x))^2 <= D``, so
 ``|y_i| <= sqrt(D) * max |w|`` for every element of the normalised row, and a rotation keeps each
 pair's norm, so the rotated values stay within the same bound (ComfyUI's ``pe`` are rotations;
 anything larger is clamped). e4m3's relative precision does not depend on where in its range a
@@ -51,7 +52,7 @@ import torch
 from .fp8 import FP8_DTYPE
 from .rowwise_quant import FP8_MAX, _cdiv, triton_available
 
-__all__ = ["fp8_descale", "kernel_takes", "rms_norm_rope", "rms_norm_rope_fp8", "torch_apply_rope",
+__all__ = ["fp8_scales", "kernel_takes", "rms_norm_rope", "rms_norm_rope_fp8", "torch_apply_rope",
            "torch_rms_norm_rope", "torch_rms_norm_rope_fp8", "triton_available", "triton_rms_norm_rope"]
 
 #: (BLOCK_R rows per program, num_warps) when none is given (read at each call: the benchmark's
@@ -110,22 +111,22 @@ def _norms(xs: list[torch.Tensor], weights: list[torch.Tensor], eps: float) -> t
     return ys[0] if len(ys) == 1 else torch.cat(ys, dim=2)
 
 
-def fp8_descale(weights: list[torch.Tensor], head_size: int) -> torch.Tensor:
-    """``sqrt(D) * max |w| / 448`` ([1, 1, 1, 1] float32 on the weights' device): the descale of
-    the fp8 result (module docstring)."""
+def fp8_scales(weights: list[torch.Tensor], head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, descale) of the fp8 result (module docstring): ``descale = sqrt(D) * max |w| / 448``
+    and its reciprocal, [1, 1, 1, 1] float32 on the weights' device."""
     wmax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
-    return (wmax * (head_size ** 0.5 / FP8_MAX)).clamp(min=1e-12).reshape(1, 1, 1, 1)
+    descale = (wmax * (head_size ** 0.5 / FP8_MAX)).clamp(min=1e-12).reshape(1, 1, 1, 1)
+    return 1.0 / descale, descale
 
 
 def torch_rms_norm_rope_fp8(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            eps: float, scale: torch.Tensor) -> torch.Tensor:
     """The fp8 reference: the rotated rows (float32, before rounding to the model dtype) times
-    ``1 / descale``, clamped to e4m3's range and rounded to e4m3, in the op's layout; and the
-    descale."""
-    _, _, _, d = _check(xs, weights, freqs)
-    descale = fp8_descale(weights, d)
-    out = (_rotate32(_norms(xs, weights, eps), freqs) * (1.0 / descale)).clamp(-FP8_MAX, FP8_MAX)
-    return _heads_view(out.to(FP8_DTYPE)), descale
+    ``scale`` (one float32 value), clamped to e4m3's range and rounded to e4m3, in the op's
+    layout."""
+    _check(xs, weights, freqs)
+    out = (_rotate32(_norms(xs, weights, eps), freqs) * scale.reshape(1).float()).clamp(-FP8_MAX, FP8_MAX)
+    return _heads_view(out.to(FP8_DTYPE))
 
 
 def torch_rms_norm_rope(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, eps: float) -> torch.Tensor:
@@ -175,7 +176,9 @@ def triton_rms_norm_rope(
     if fp8:
         storage = torch.empty((b, length, h, d), device=xs[0].device, dtype=FP8_DTYPE)
         words_out = storage.view(torch.int16)
-        scale = fp8_scale.reshape(1).float()
+        scale = fp8_scale.reshape(1)
+        if scale.dtype != torch.float32:
+            raise ValueError(f"rms_norm_rope: fp8_scale must be float32, got {scale.dtype}")
     else:
         storage = torch.empty((b, length, h, d), device=xs[0].device, dtype=dtype)
         words_out = storage.view(torch.int32)
@@ -227,19 +230,17 @@ def _(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor, 
 
 @torch.library.custom_op("nexfort::rms_norm_rope_fp8", mutates_args=())
 def rms_norm_rope_fp8(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rms_norm_rope` as e4m3 with its descale (module docstring): the Triton kernel on
+                      eps: float, scale: torch.Tensor) -> torch.Tensor:
+    """:func:`rms_norm_rope` times ``scale`` as e4m3 (module docstring): the Triton kernel on
     CUDA, :func:`torch_rms_norm_rope_fp8` elsewhere."""
     d = xs[0].shape[-1] if xs else 0
     if xs and xs[0].is_cuda and kernel_takes(xs[0].dtype, d) and triton_available():
-        descale = fp8_descale(weights, d)
-        return triton_rms_norm_rope(xs, weights, freqs, eps, fp8_scale=1.0 / descale), descale
-    return torch_rms_norm_rope_fp8(xs, weights, freqs, eps)
+        return triton_rms_norm_rope(xs, weights, freqs, eps, fp8_scale=scale)
+    return torch_rms_norm_rope_fp8(xs, weights, freqs, eps, scale)
 
 
 @rms_norm_rope_fp8.register_fake
 def _(xs: list[torch.Tensor], weights: list[torch.Tensor], freqs: torch.Tensor,
-      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+      eps: float, scale: torch.Tensor) -> torch.Tensor:
     b, h, length, d = _check(xs, weights, freqs)
-    out = xs[0].new_empty((b, length, h, d), dtype=FP8_DTYPE).permute(0, 2, 1, 3)
-    return out, xs[0].new_empty((1, 1, 1, 1), dtype=torch.float32)
+    return xs[0].new_empty((b, length, h, d), dtype=FP8_DTYPE).permute(0, 2, 1, 3)

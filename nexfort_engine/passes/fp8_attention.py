@@ -8,8 +8,9 @@ What: :func:`rewrite_attentions` runs after :mod:`.fuse_rope` and walks a Dynamo
 
 and replaces it with::
 
-    q8, dq = nexfort::rms_norm_rope_fp8(<q's arguments>)   # e4m3 straight from the kernel
-    k8, dk = nexfort::rms_norm_rope_fp8(<k's arguments>)
+    sq, dq = fp8_scales(<q's weights>, D)                   # static: sqrt(D) max|w| / 448
+    q8 = nexfort::rms_norm_rope_fp8(<q's arguments>, sq)    # e4m3 straight from the kernel
+    k8 = ... likewise
     v8, dv = quantize_values(v, parts)      # nexfort::absmax over v (or the parts v concatenates), then one pointwise
     o8 = nexfort::sdpa_fp8(q8, k8, v8, pack_scales(dq, dk, dv))
     out = (o8.float() * dv).to(v.dtype)                     # fused into the consumer by Inductor
@@ -128,16 +129,20 @@ def _item(graph: fx.Graph, node: fx.Node, index: int) -> fx.Node:
     return item
 
 
-def _fp8_rope(graph: fx.Graph, rope_node: fx.Node) -> tuple[fx.Node, fx.Node]:
+def _fp8_rope(graph: fx.Graph, rope_node: fx.Node, head_size: int) -> tuple[fx.Node, fx.Node]:
+    """(e4m3 result, descale) nodes for a fused rotation; the scales are torch ops in the graph."""
     xs, weights, pe, eps = rope_node.args
-    node = graph.call_function(_ROPE_FP8, (list(xs), list(weights), pe, eps))
+    scales = graph.call_function(rope.fp8_scales, (list(weights), head_size))
+    _fake_meta(scales, lambda *ws: rope.fp8_scales(list(ws), head_size), *weights)
+    scale, descale = _item(graph, scales, 0), _item(graph, scales, 1)
+    node = graph.call_function(_ROPE_FP8, (list(xs), list(weights), pe, eps, scale))
     n = len(xs)
 
     def call(*vals: Any) -> Any:
-        return _ROPE_FP8(list(vals[:n]), list(vals[n:2 * n]), vals[2 * n], eps)
+        return _ROPE_FP8(list(vals[:n]), list(vals[n:2 * n]), vals[2 * n], eps, vals[2 * n + 1])
 
-    _fake_meta(node, call, *xs, *weights, pe)
-    return _item(graph, node, 0), _item(graph, node, 1)
+    _fake_meta(node, call, *xs, *weights, pe, scale)
+    return node, descale
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -184,9 +189,10 @@ def rewrite_attentions(gm: fx.GraphModule) -> int:
     graph = gm.graph
     for attention, q, k, v in matches:
         dtype = _val(attention).dtype  # type: ignore[union-attr]
+        d = _static(_val(q).shape[-1])  # type: ignore[union-attr]
         with graph.inserting_before(attention):
-            q8, dq = _fp8_rope(graph, q)
-            k8, dk = _fp8_rope(graph, k)
+            q8, dq = _fp8_rope(graph, q, d)
+            k8, dk = _fp8_rope(graph, k, d)
             parts = _value_parts(v)
             vq = _call(graph, fp8_attention.quantize_values, (v, parts),
                        lambda v_, *ps: fp8_attention.quantize_values(v_, list(ps)), v, *parts)

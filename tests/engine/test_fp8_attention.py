@@ -40,7 +40,7 @@ from nexfort_engine.fp8 import FP8_DTYPE
 from nexfort_engine.fp8_attention import pack_scales, quantize_tensor, sdpa_fp8, torch_sdpa_fp8
 from nexfort_engine.passes import fp8_attention as pass_
 from nexfort_engine.passes import fuse_rope
-from nexfort_engine.rope import fp8_descale, torch_rms_norm_rope, torch_rms_norm_rope_fp8, triton_available
+from nexfort_engine.rope import fp8_scales, torch_rms_norm_rope, torch_rms_norm_rope_fp8, triton_available
 
 REPO = Path(__file__).resolve().parents[2]
 SDPA_OP = torch.ops.nexfort.sdpa_fp8.default
@@ -72,7 +72,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     sys.path.insert(0, sys.argv[2])
     import triton, triton.language as tl
     from tiny_models import rotations, rel_l2
-    from nexfort_engine.rope import triton_rms_norm_rope, torch_rms_norm_rope_fp8
+    from nexfort_engine.rope import fp8_scales, triton_rms_norm_rope, torch_rms_norm_rope_fp8
 
     @triton.jit
     def cast(x_ptr, o_ptr):
@@ -90,8 +90,9 @@ INTERPRETER_CHECK = textwrap.dedent(
                 xs = [t.permute(2, 0, 3, 1, 4)[1] for t in qkvs]
                 ws = [(torch.randn(d) * 0.5 + 1).to(dtype) for _ in lens]
                 freqs = rotations(fb, sum(lens), d)
-                ref, descale = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6)
-                out = triton_rms_norm_rope(xs, ws, freqs, 1e-6, config=config, fp8_scale=1.0 / descale)
+                scale, descale = fp8_scales(ws, d)
+                ref = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6, scale)
+                out = triton_rms_norm_rope(xs, ws, freqs, 1e-6, config=config, fp8_scale=scale)
                 r, o = ref.float(), out.float()
                 m = torch.maximum(r.abs(), o.abs()).clamp(min=2 ** -6)
                 step = torch.exp2(torch.floor(torch.log2(m)) - 3)
@@ -240,7 +241,8 @@ def test_fp8_rope_twin_is_the_16bit_op_in_e4m3():
     gen = torch.Generator().manual_seed(0)
     xs, ws = _parts(2, 3, 64, [5, 11], torch.bfloat16, gen)
     freqs = rotations(1, 16, 64)
-    out8, descale = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6)
+    scale, descale = fp8_scales(ws, 64)
+    out8 = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6, scale)
     ref = torch_rms_norm_rope(xs, ws, freqs, 1e-6)
     assert out8.dtype == FP8_DTYPE and out8.shape == ref.shape and out8.stride() == ref.stride()
     assert descale.shape == (1, 1, 1, 1) and descale.dtype == torch.float32
@@ -249,7 +251,8 @@ def test_fp8_rope_twin_is_the_16bit_op_in_e4m3():
     assert float(ref.float().abs().max()) <= 448 * float(descale)
     deq = out8.float() * descale.reshape(1)
     assert tiny_models.rel_l2(deq, ref) < 0.04
-    assert torch.equal(descale, fp8_descale(ws, 64))
+    assert torch.equal(scale, 1.0 / descale)
+    assert torch.equal(out8.float(), ROPE_FP8_OP(xs, ws, freqs, 1e-6, scale).float())  # CPU: the op is the twin
 
 
 def test_sdpa_fp8_twin_against_float32_attention():
@@ -505,8 +508,9 @@ def test_rope_kernel_fp8_matches_twin_on_gpu(lens, fb):
     gen = torch.Generator(device="cuda").manual_seed(0)
     xs, ws = _parts(2, 24, 128, lens, torch.bfloat16, gen, "cuda")
     freqs = rotations(fb, sum(lens), 128).cuda()
-    ref, descale = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6)
-    out = triton_rms_norm_rope(xs, ws, freqs, 1e-6, fp8_scale=1.0 / descale)
+    scale, descale = fp8_scales(ws, 128)
+    ref = torch_rms_norm_rope_fp8(xs, ws, freqs, 1e-6, scale)
+    out = triton_rms_norm_rope(xs, ws, freqs, 1e-6, fp8_scale=scale)
     assert out.dtype == FP8_DTYPE and out.stride() == ref.stride()
     # against the float32 function: e4m3's rounding (3 mantissa bits: rel-L2 about 0.02)
     exact = torch_rms_norm_rope([x.float() for x in xs], [w.float() for w in ws], freqs, 1e-6)
