@@ -89,6 +89,8 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", {m['fp8_quant_fused']} fp8 quantizations fused with their producers"
         if m.get("rope_fused"):
             how += f", {m['rope_fused']} query/key norm + rotary embeddings fused"
+        if m.get("attention_fp8"):
+            how += f", {m['attention_fp8']} attentions in fp8 (cuDNN)"
         if m.get("fp8_skipped") and not m.get("fp8"):
             how += f", fp8 linears left off ({m['fp8_skipped']})"
         lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "

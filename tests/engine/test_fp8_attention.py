@@ -562,6 +562,12 @@ def test_cudnn_fp8_attention_on_gpu(shape):
     assert tiny_models.rel_l2(out, ref) < 0.2
     assert tiny_models.rel_l2(twin, ref) < 0.06
     assert tiny_models.rel_l2(out, twin) < 0.2
+    # the fallback where a graph does not build: 16-bit attention on the dequantized operands
+    from nexfort_engine.fp8_attention import _sdpa_16bit
+
+    fallback = _sdpa_16bit(q8, k8, v8, scales)
+    assert fallback.dtype == FP8_DTYPE and fallback.stride() == sdpa_fp8(q8, k8, v8, scales).stride()
+    assert tiny_models.rel_l2(pass_.dequantize(fallback, dv, torch.float32), twin) < 0.06
 
 
 @pytest.mark.gpu

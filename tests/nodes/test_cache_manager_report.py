@@ -21,7 +21,8 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     counters.set_info("UNetModel:aa", state="compiled", spatial_multiple=8, group_norms_rewritten=61,
                       channels_last_weights=97, fp8=False, fp8_skipped="model width 1280 < 2048")
     counters.bump("UNetModel:aa", "compiles")
-    counters.set_info("PixArt:bb", state="compiled", regions=["blocks[x28]"], fp8=True)
+    counters.set_info("PixArt:bb", state="compiled", regions=["blocks[x28]"], fp8=True, rope_fused=4,
+                      attention_fp8=2)
     counters.add_reason("UNetModel:aa", "recompile", "0/0: tensor 'x' rank mismatch. expected 6, actual 4")
     text = cache_manager.report(CacheStore(tmp_path))
     unet = next(line for line in text.splitlines() if line.strip().startswith("UNetModel:aa"))
@@ -30,6 +31,8 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert "97 conv weights made channels-last" in unet and "conv weights" not in pixart
     assert "regional: blocks[x28], fp8 linears" in pixart and "multiples" not in pixart
     assert "GroupNorm" not in pixart
+    assert "4 query/key norm + rotary embeddings fused, 2 attentions in fp8 (cuDNN)" in pixart
+    assert "attentions in fp8" not in unet
     assert "fp8 linears left off (model width 1280 < 2048)" in unet and "left off" not in pixart
     assert "recompile: 0/0: tensor 'x' rank mismatch" in text
     assert nexfort_engine.stats()["models"]["UNetModel:aa"]["spatial_multiple"] == 8
