@@ -32,9 +32,11 @@ one pointwise kernel, and the output's dequantization fuses into its consumer
 (:mod:`nexfort_engine.passes.fp8_attention` wires this).
 
 Cost: e4m3 has 3 mantissa bits. Per call the error against float32 attention is about 0.11
-relative (L2) at Flux's shape; over a whole Flux sampling run it measured rel-L2 0.036 against
-bf16 eager (runs 104-105), against 0.043 for O3's fp8 linears. So it runs under O3
-(``low-precision``) only, and ``"fp8_attention": false`` turns it off there.
+relative (L2) at Flux's shape; over a whole Flux sampling run the final latent's rel-L2 against
+bf16 eager is 0.0565 with O3's fp8 linears and this, 0.0432 with the fp8 linears alone
+(runs 110-112). So it runs under O3 (``low-precision``) only, and ``"fp8_attention": false`` turns
+it off there. Measured: Flux O3 2.13-2.17x eager with it, 1.99x without (BENCHMARKS.md, fifteenth
+session).
 """
 
 from __future__ import annotations
