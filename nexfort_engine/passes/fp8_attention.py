@@ -92,8 +92,12 @@ def find_matches(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx
             continue
         if q is k:
             continue
-        qv, vv, ov = _val(q), _val(v), _val(node)
-        if qv is None or vv is None or ov is None or vv.dim() != 4:
+        qv, kv, vv, ov = _val(q), _val(k), _val(v), _val(node)
+        if qv is None or kv is None or vv is None or ov is None or vv.dim() != 4:
+            continue
+        # one head count for q, k and v (no grouped-query attention), k and v of one length
+        # (symbolic sizes compared as expressions: comparing SymInts would add guards)
+        if str(qv.shape[1]) != str(kv.shape[1]) or str(kv.shape[1]) != str(vv.shape[1]) or str(kv.shape[2]) != str(vv.shape[2]):
             continue
         d = _static(qv.shape[-1])
         if (d is None or d % 16 or d > 128 or _static(vv.shape[-1]) != d
