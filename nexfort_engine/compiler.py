@@ -213,14 +213,20 @@ class CompiledModule(torch.nn.Module):
 
         assert self._nx_settings is not None
         patches = dict(self._nx_settings.inductor)
+        marks: dict[str, str] = {}
         if self._nx_group_norm:
-            from torch._inductor import config as inductor_config
-
             group_norm.register_lowering()
+            marks.update(group_norm.cache_marks())
+        if self._nx_settings.fp8_attention:
+            from .passes import fp8_attention as fp8_attention_pass
+
+            marks.update(fp8_attention_pass.cache_marks())
+        if marks:
+            from torch._inductor import config as inductor_config
 
             marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
             if marked is not None:  # torch versions without it bypass AOTAutograd's cache
-                patches["unsafe_marked_cacheable_functions"] = {**marked, **group_norm.cache_marks()}
+                patches["unsafe_marked_cacheable_functions"] = {**marked, **marks}
         if self._nx_config.fuse_qkv_projections:
             from .passes.fuse_qkv import FuseQKVPass
 

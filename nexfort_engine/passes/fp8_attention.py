@@ -33,8 +33,11 @@ disappear with them.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import operator
+import sys
 from typing import Any
 
 import torch
@@ -50,7 +53,7 @@ from ._fx import is_method as _is_method
 from ._fx import static as _static
 from ._fx import val as _val
 
-__all__ = ["dequantize", "find_matches", "rewrite_attentions"]
+__all__ = ["cache_marks", "dequantize", "find_matches", "rewrite_attentions"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,26 @@ _QUANT_ROWS = torch.ops.nexfort.quant_rows.default
 def dequantize(o8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The attention output in the model dtype (``o8 * descale``, float32, rounded once)."""
     return (o8.float() * descale).to(dtype)
+
+
+def cache_marks() -> dict[str, str]:
+    """Inductor's ``unsafe_marked_cacheable_functions`` entries for the plain functions this pass
+    puts into graphs (:func:`dequantize`, ``fp8_attention.quantize_values``/``pack_scales``,
+    ``rope.fp8_scales``): AOTAutograd's cache bypasses graphs calling functions it does not know,
+    and every warm start then re-traced the blocks (Flux O3: 9.11-11.62 s instead of 8.65, run114).
+    The functions are pure and determined by their modules' sources, whose hash is the value (an
+    edited module never reuses an old artifact)."""
+    fns = (dequantize, fp8_attention.quantize_values, fp8_attention.pack_scales, rope.fp8_scales)
+    digest = hashlib.sha256()
+    for name in sorted({fn.__module__ for fn in fns}):
+        try:
+            digest.update(inspect.getsource(sys.modules[name]).encode())
+        except (OSError, TypeError):  # no source shipped: the bytecode and constants identify them
+            for fn in fns:
+                if fn.__module__ == name:
+                    digest.update(fn.__code__.co_code + repr(fn.__code__.co_consts).encode())
+    value = digest.hexdigest()[:16]
+    return {f"{fn.__module__}.{fn.__name__}": value for fn in fns}
 
 
 def _default_args(node: fx.Node) -> bool:

@@ -481,6 +481,9 @@ def test_inductor_compiles_the_fp8_path(fresh_stats, nx_cache, cache):
     """A real Inductor compile (CPU) of a graph with the fp8 ops: they survive Inductor's passes,
     v's quantization and the output's dequantization compile, two token counts share the graph,
     and the counters reach the Cache Manager's report."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    dynamo_counters["aot_autograd"].clear()
     torch.manual_seed(0)
     model = _Block().to(torch.bfloat16)
     cm = nexfort_engine.compile(model, {"fused_rope": True, "fp8_attention": True, "mode": "max-optimize:cache-all"},
@@ -492,6 +495,18 @@ def test_inductor_compiles_the_fp8_path(fresh_stats, nx_cache, cache):
     rec = fresh_stats()["models"][cm.label]
     assert rec["fallbacks"] == 0 and rec["compiles"] == 1 and rec["recompiles"] == 0
     assert rec["rope_fused"] == 2 and rec["attention_fp8"] == 1
+    # AOTAutograd's cache stores the graph (the pass's functions are marked cacheable: bypassed,
+    # every warm start re-traced the blocks, run114)
+    aot = dynamo_counters["aot_autograd"]
+    assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_saved"] == 1, dict(aot)
+
+
+def test_cache_marks_name_the_inserted_functions():
+    marks = pass_.cache_marks()
+    assert set(marks) == {"nexfort_engine.passes.fp8_attention.dequantize",
+                          "nexfort_engine.fp8_attention.quantize_values", "nexfort_engine.fp8_attention.pack_scales",
+                          "nexfort_engine.rope.fp8_scales"}
+    assert len(set(marks.values())) == 1 and len(next(iter(marks.values()))) == 16
 
 
 # -- the GPU
