@@ -59,6 +59,7 @@ from .fp8 import FP8_DTYPE
 from .rowwise_quant import FP8_MAX
 
 __all__ = ["SCALE_STRIDE", "cudnn_supported", "pack_scales", "plan_cache", "plan_stats", "quantize_tensor", "quantize_values", "sdpa_fp8",
+           "takes_head_size",
            "torch_sdpa_fp8"]
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,23 @@ _supported: dict[int, bool] = {}
 _warned: set[str] = set()
 
 
+def takes_head_size(d: int) -> bool:
+    """Whether cuDNN's fp8 forward takes this head size (a multiple of 16 up to 128)."""
+    return d % 16 == 0 and 0 < d <= 128
+
+
+def _scaled_e4m3(t: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t * 448 / amax`` as e4m3 (``t``'s layout) and the descale ``amax / 448`` ([1, 1, 1, 1])."""
+    amax = amax.clamp(min=1e-12)
+    q = (t.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, (amax / FP8_MAX).reshape(1, 1, 1, 1)
+
+
 def quantize_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` scaled by ``448 / amax(|t|)`` as e4m3 (``t``'s layout), and the descale
     ``amax / 448`` ([1, 1, 1, 1] float32). Plain torch ops: in a compiled graph, one reduction and
     one pointwise kernel."""
-    amax = t.abs().amax().float().clamp(min=1e-12)
-    q = (t.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, (amax / FP8_MAX).reshape(1, 1, 1, 1)
+    return _scaled_e4m3(t, t.abs().amax().float())
 
 
 def quantize_values(v: torch.Tensor, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,12 +104,11 @@ def quantize_values(v: torch.Tensor, parts: list[torch.Tensor]) -> tuple[torch.T
     pointwise kernel reads the concatenation without materializing it)."""
     from . import absmax  # noqa: F401 - registers nexfort::absmax
 
-    amax = torch.ops.nexfort.absmax.default(parts).clamp(min=1e-12)
-    q = (v.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q, descale = _scaled_e4m3(v, torch.ops.nexfort.absmax.default(parts))
     # in [B, L, H, D] memory as the queries and keys (a layout, not a copy: Inductor writes the
     # quantized values there), so every block's attention has the same strides and shares one
     # cuDNN graph per shape (each build costs warm-start time)
-    return q.transpose(1, 2).contiguous().transpose(1, 2), (amax / FP8_MAX).reshape(1, 1, 1, 1)
+    return q.transpose(1, 2).contiguous().transpose(1, 2), descale
 
 
 def pack_scales(descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: torch.Tensor) -> torch.Tensor:
@@ -138,8 +148,15 @@ def _output(q8: torch.Tensor) -> torch.Tensor:
 def torch_sdpa_fp8(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The twin: float32 attention of the dequantized operands, quantized like cuDNN's output."""
     _check(q8, k8, v8, scales)
-    q, k, v = (t.float() * _scalar(scales, n) for t, n in ((q8, "descale_q"), (k8, "descale_k"), (v8, "descale_v")))
-    out = F.scaled_dot_product_attention(q, k, v) * _scalar(scales, "scale_o")
+    return _dequantized_sdpa(q8, k8, v8, scales, torch.float32)
+
+
+def _dequantized_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Attention of the operands dequantized to ``dtype``, its output quantized as cuDNN's."""
+    q, k, v = (t.to(dtype) * _scalar(scales, n).to(dtype)
+               for t, n in ((q8, "descale_q"), (k8, "descale_k"), (v8, "descale_v")))
+    out = F.scaled_dot_product_attention(q, k, v).float() * _scalar(scales, "scale_o")
     return _output(q8).copy_(out.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
 
 
@@ -319,17 +336,14 @@ def cudnn_supported(device: torch.device | str) -> bool:
 def _sdpa_16bit(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fallback on CUDA where cuDNN's graph does not build: the dequantized operands through
     bfloat16 attention (fast), the output quantized as cuDNN's."""
-    q, k, v = (t.to(torch.bfloat16) * _scalar(scales, n).to(torch.bfloat16)
-               for t, n in ((q8, "descale_q"), (k8, "descale_k"), (v8, "descale_v")))
-    out = F.scaled_dot_product_attention(q, k, v).float() * _scalar(scales, "scale_o")
-    return _output(q8).copy_(out.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+    return _dequantized_sdpa(q8, k8, v8, scales, torch.bfloat16)
 
 
 @torch.library.custom_op("nexfort::sdpa_fp8", mutates_args=())
 def sdpa_fp8(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp8 attention (module docstring): cuDNN on CUDA where it runs, the twin elsewhere."""
     _check(q8, k8, v8, scales)
-    if q8.is_cuda and q8.shape[-1] % 16 == 0 and q8.shape[-1] <= 128:
+    if q8.is_cuda and takes_head_size(q8.shape[-1]):
         q8, k8, v8 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q8, k8, v8))
         out = _output(q8)
         try:

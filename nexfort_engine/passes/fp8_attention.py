@@ -123,7 +123,7 @@ def find_matches(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx
         if str(qv.shape[1]) != str(kv.shape[1]) or str(kv.shape[1]) != str(vv.shape[1]) or str(kv.shape[2]) != str(vv.shape[2]):
             continue
         d = _static(qv.shape[-1])
-        if (d is None or d % 16 or d > 128 or _static(vv.shape[-1]) != d
+        if (d is None or not fp8_attention.takes_head_size(d) or _static(vv.shape[-1]) != d
                 or qv.dtype not in (torch.bfloat16, torch.float16) or vv.dtype != qv.dtype or ov.dtype != qv.dtype):
             continue
         found.append((node, q, k, v))
