@@ -63,6 +63,14 @@ def _parts(b, h, d, lens, dtype, gen=None, device="cpu"):
     return xs, ws
 
 
+def _interpreted(script: str, *argv: str) -> list[dict]:
+    """The rows ``script`` prints as JSON, run with Triton's interpreter in a subprocess."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # -- the rotary kernel's e4m3 output (Triton's interpreter, CPU)
 
 INTERPRETER_CHECK = textwrap.dedent(
@@ -113,11 +121,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 @needs_triton
 def test_rope_kernel_fp8_output_matches_twin_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK, str(REPO), str(REPO / "tests")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = _interpreted(INTERPRETER_CHECK, str(REPO), str(REPO / "tests"))
     # the interpreter's conversion bug these bounds allow for (the GPU rounds 127 to 128)
     assert rows[0]["interpreter_127"] in (64.0, 128.0)
     assert len(rows) == 1 + 4 * 2 * 2
@@ -151,11 +155,7 @@ ABSMAX_CHECK = textwrap.dedent(
 
 @needs_triton
 def test_absmax_kernel_matches_twin_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", ABSMAX_CHECK, str(REPO)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = _interpreted(ABSMAX_CHECK, str(REPO))
     assert len(rows) == 12
     for r in rows:
         assert r["got"] == r["want"] and r["want"] > 0, r  # a maximum is exact
@@ -187,11 +187,7 @@ QUANT_ROWS_CHECK = textwrap.dedent(
 def test_quant_rows_reads_scaled_fp8_copied_part_interpreted():
     """``nexfort::quant_rows`` with an e4m3 ``a`` and its descale (fp8 attention's output folded
     into the single blocks' quantization): the kernel against the twin, as the other forms."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", QUANT_ROWS_CHECK, str(REPO)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = _interpreted(QUANT_ROWS_CHECK, str(REPO))
     assert len(rows) == 3
     for r in rows:
         assert r["scale_rel"] < 1e-6 and r["value_abs"] < 1e-3, r
