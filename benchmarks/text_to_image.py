@@ -82,9 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile caches (Inductor/Triton/nexfort); default: a fresh temp dir (cold compile)")
     p.add_argument("--quant-rows-form", choices=["exact", "fast", "hw-tanh"], default=None,
                    help="the form nexfort::quant_rows runs on the GPU (default: the engine's; A/B comparisons)")
-    p.add_argument("--attention-experiment", choices=("none", "cudnn-fp8"), default="none",
-                   help="after the eager reference, route Flux's attention through cuDNN's fp8 forward "
-                        "(benchmarks/fp8_attention_model.py: an experiment measuring its quality cost)")
     p.add_argument("--no-ln-mod-quant", action="store_true",
                    help="fp8 graphs: leave the LayerNorm + modulation inputs to Inductor (A/B comparisons)")
     p.add_argument("--rope-config", default=None, metavar="BLOCK_RxWARPS",
@@ -473,11 +470,6 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if not args.warm_child:
         result.update(runner.count_flops(mp, height, width))
 
-    if args.attention_experiment == "cudnn-fp8":
-        from benchmarks import fp8_attention_model
-
-        fp8_attention_model.patch()
-        result["attention_experiment"] = args.attention_experiment
     target = apply_compiler(mp, args.compiler, args.compiler_config)
     graphs0 = metrics.dynamo_unique_graphs()
     if args.compiler == "nexfort":

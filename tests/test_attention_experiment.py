@@ -12,15 +12,12 @@ within 2x the twin's own.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from pass_helpers import interpreted
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,10 +52,7 @@ CHECK = textwrap.dedent(
 
 def test_kernel_matches_twin_interpreted():
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", CHECK, str(REPO)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = interpreted(CHECK, str(REPO))
     assert len(rows) == 12
     for r in rows:
         b, h, n, d, n_kv, qk, pv = r["case"]
@@ -87,23 +81,3 @@ def test_quantizers_and_bad_arguments():
     with pytest.raises(ValueError, match="head dim 24 not supported; valid: 32, 64, 128, 256"):
         q8, qs = fa.quantize_tokens(torch.randn(1, 1, 4, 24))
         fa.torch_fp8_attention(q8, qs, q8, qs, torch.randn(1, 1, 4, 24), qs, 1.0, False, torch.float32)
-
-
-def test_model_experiment_twin_and_routing():
-    """``benchmarks/fp8_attention_model.py`` (cuDNN's fp8 attention inside ComfyUI's Flux, measured
-    for its quality cost): off CUDA the op is its twin (q, k, v rounded through per-tensor e4m3),
-    within e4m3's error of exact attention; ``attention`` takes Flux's call ([B, H, L, D],
-    ``skip_reshape``, no mask) and returns ComfyUI's [B, L, H * D] layout."""
-    import torch.nn.functional as F
-
-    from benchmarks import fp8_attention_model as fam
-
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 40, 32, dtype=torch.bfloat16) for _ in range(3))
-    out = torch.ops.nexfort_bench.sdpa_fp8(q, k, v)
-    assert torch.equal(out, fam.torch_sdpa_fp8(q, k, v))
-    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    err = float((out.float() - exact).norm() / exact.norm())
-    assert 0 < err < 0.1, err
-    flat = fam.attention(q, k, v, 2, skip_reshape=True)
-    assert flat.shape == (1, 40, 64) and torch.equal(flat, out.transpose(1, 2).reshape(1, 40, 64))

@@ -11,14 +11,11 @@ products at Flux's modulation sizes.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from pass_helpers import interpreted
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,10 +42,7 @@ print(json.dumps(rows))
 def _interpreted(script: str) -> list[dict]:
     """The rows ``script`` prints, run by Triton's interpreter in a subprocess."""
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", script, str(REPO)], capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted(script, str(REPO))
 
 
 def test_gemv_kernel_matches_twin_interpreted():

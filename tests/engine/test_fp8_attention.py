@@ -20,10 +20,6 @@ the e4m3 output of the fused query/key op (``nexfort_engine.rope.rms_norm_rope_f
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,6 +27,9 @@ import pytest
 import tiny_models
 import torch
 import torch.nn.functional as F
+from pass_helpers import interpreted as _interpreted
+from pass_helpers import rewritten
+from pass_helpers import targets as _targets
 from torch._dynamo.backends.registry import lookup_backend
 
 import nexfort_engine
@@ -61,14 +60,6 @@ def _parts(b, h, d, lens, dtype, gen=None, device="cpu"):
     xs = [t.permute(2, 0, 3, 1, 4)[0] for t in qkvs]  # the queries: strided views
     ws = [(torch.randn(d, generator=gen, device=device) * 0.5 + 1).to(dtype) for _ in lens]
     return xs, ws
-
-
-def _interpreted(script: str, *argv: str) -> list[dict]:
-    """The rows ``script`` prints as JSON, run with Triton's interpreter in a subprocess."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # -- the rotary kernel's e4m3 output (Triton's interpreter, CPU)
@@ -291,24 +282,13 @@ def test_bad_arguments_name_the_valid_values():
 # -- the graph rewrite (Dynamo graphs of ComfyUI's blocks, CPU)
 
 
+def _rope_then_attention(gm):
+    fuse_rope.rewrite_ropes(gm)
+    return pass_.rewrite_attentions(gm)
+
+
 def _rewritten(fn, args, kwargs):
-    found, graphs = [], []
-
-    def backend(gm, example_inputs):
-        fuse_rope.rewrite_ropes(gm)
-        found.append(pass_.rewrite_attentions(gm))
-        graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        ref = fn(*args, **kwargs)
-        out = torch.compile(fn, backend=backend, dynamic=True)(*args, **kwargs)
-    return out, ref, found, graphs
-
-
-def _targets(gm):
-    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    return rewritten(_rope_then_attention, fn, args, kwargs, dynamic=True)
 
 
 def test_rewrite_flux_blocks(comfy_inproc, cache):

@@ -19,10 +19,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -30,7 +26,8 @@ import pytest
 import tiny_models
 import torch
 import torch.nn.functional as F
-from torch._dynamo.backends.registry import lookup_backend
+from pass_helpers import interpreted, rewritten
+from pass_helpers import targets as _targets
 from torch._dynamo.utils import counters as dynamo_counters
 
 import nexfort_engine
@@ -92,11 +89,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 
 def _interpreted(script: str) -> list[dict]:
-    """The rows ``script`` prints as JSON, run with Triton's interpreter in a subprocess."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, str(REPO)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted(script, str(REPO))
 
 
 @needs_triton
@@ -220,23 +213,13 @@ def test_bad_arguments_name_the_valid_values():
 def _rewritten(fn, args, kwargs, min_width=1):
     """Trace ``fn`` under the fp8 mode; rewrite each graph; run it with aot_eager. Returns
     (output, eager output, [matches per graph], [rewritten graph modules])."""
-    found, graphs = [], []
 
-    def backend(gm, example_inputs):
-        found.append([(m.prologue, m.width, m.a is not None) for m in fuse_quant.find_matches(gm, min_width)])
+    def rewrite(gm):
+        found = [(m.prologue, m.width, m.a is not None) for m in fuse_quant.find_matches(gm, min_width)]
         fuse_quant.rewrite_quantizations(gm, min_width)
-        graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
+        return found
 
-    torch._dynamo.reset()
-    with torch.no_grad(), Fp8LinearMode():
-        ref = fn(*args, **kwargs)
-        out = torch.compile(fn, backend=backend)(*args, **kwargs)
-    return out, ref, found, graphs
-
-
-def _targets(gm):
-    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    return rewritten(rewrite, fn, args, kwargs, mode=Fp8LinearMode)
 
 
 def test_rewrite_flux_blocks(comfy_inproc, cache):

@@ -20,17 +20,14 @@
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import tiny_models
 import torch
-from torch._dynamo.backends.registry import lookup_backend
+from pass_helpers import interpreted, rewritten
+from pass_helpers import targets as _targets
 from torch._dynamo.utils import counters as dynamo_counters
 
 import nexfort_engine
@@ -89,13 +86,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 @needs_triton
 def test_triton_kernel_matches_twin_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_CHECK, str(REPO), str(REPO / "tests")],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = interpreted(INTERPRETER_CHECK, str(REPO), str(REPO / "tests"))
     assert len(rows) == 5 * 2 * 4
     for r in rows:
         assert r["shape_ok"], r
@@ -144,26 +135,15 @@ def test_bad_arguments_name_the_valid_values():
 # -- the graph rewrite (Dynamo graphs of ComfyUI's blocks, CPU)
 
 
+def _count_then_rewrite(gm):
+    found = len(fuse_rope.find_matches(gm))
+    fuse_rope.rewrite_ropes(gm)
+    return found
+
+
 def _rewritten(fn, args, kwargs):
-    """Trace ``fn``; rewrite each graph; run it with aot_eager. Returns (output, eager output,
-    [match count per graph], [rewritten graph modules])."""
-    found, graphs = [], []
-
-    def backend(gm, example_inputs):
-        found.append(len(fuse_rope.find_matches(gm)))
-        fuse_rope.rewrite_ropes(gm)
-        graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        ref = fn(*args, **kwargs)
-        out = torch.compile(fn, backend=backend, dynamic=True)(*args, **kwargs)
-    return out, ref, found, graphs
-
-
-def _targets(gm):
-    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    """(output, eager output, [match count per graph], [rewritten graph modules])."""
+    return rewritten(_count_then_rewrite, fn, args, kwargs, dynamic=True)
 
 
 def test_rewrite_flux_blocks(comfy_inproc, cache):
