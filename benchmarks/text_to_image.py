@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile caches (Inductor/Triton/nexfort); default: a fresh temp dir (cold compile)")
     p.add_argument("--quant-rows-form", choices=["exact", "fast", "hw-tanh"], default=None,
                    help="the form nexfort::quant_rows runs on the GPU (default: the engine's; A/B comparisons)")
+    p.add_argument("--no-prewarm", action="store_true",
+                   help="nexfort: no prewarm of the compile stack's modules (nexfort_engine.prewarm; A/B comparisons)")
     p.add_argument("--no-ln-mod-quant", action="store_true",
                    help="fp8 graphs: leave the LayerNorm + modulation inputs to Inductor (A/B comparisons)")
     p.add_argument("--rope-config", default=None, metavar="BLOCK_RxWARPS",
@@ -113,12 +115,20 @@ def boot_comfy(comfy_root: Path, device: str) -> None:
     import torch
 
     torch.set_grad_enabled(False)
+    import asyncio
+    import importlib
+
     import comfy.model_management  # noqa: F401  (after the args)
     import comfy.model_patcher  # noqa: F401
     import comfy.sample  # noqa: F401
     import comfy.samplers  # noqa: F401
     import comfy.supported_models  # noqa: F401
     import utils.install_util  # noqa: F401  (before anything imports a bare `utils`)
+
+    # ComfyUI's startup loads its node modules (comfy_extras: what a first prompt would otherwise
+    # import, torch._dynamo among them) before any prompt; custom nodes are loaded by load_pack
+    nodes = importlib.import_module("nodes")  # after utils.install_util, as ComfyUI's main.py
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
 
 
 def load_pack() -> Any:
@@ -430,6 +440,16 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         result["ln_mod_quant"] = not args.no_ln_mod_quant
         result["rope_config"] = list(rope.DEFAULT_CONFIG)
 
+    if args.compiler == "nexfort":
+        # as in ComfyUI: the pack loads at startup, and its prewarm starts when the prompt arrives,
+        # before the checkpoint loads (nodes/prewarm.py)
+        load_pack()
+        from nexfort_engine import prewarm
+
+        if args.no_prewarm:
+            os.environ[prewarm.ENV_PREWARM] = "0"
+        prewarm.start(os.environ["NEXFORT_CACHE_DIR"])
+
     t0 = time.perf_counter()
     mp = models.build(spec, device, dtype, manual_cast, seed=args.seed)
     metrics.sync(device)
@@ -478,6 +498,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         nexfort_engine.reset_stats()
 
     if args.compiler != "none":
+        if args.compiler == "nexfort":  # where the prewarm was when the first sampling started
+            result["prewarm_at_first_call"] = prewarm.status()
         # first sampling through the compiled model: warm-up with compilation
         latent, m = runner.run(target, height, width, args.steps)
         result["warmup_s"] = m["e2e_s"]
@@ -575,7 +597,8 @@ def warm_cache_check(args: argparse.Namespace) -> tuple[float | None, dict]:
         if proc.returncode != 0 or not out.is_file():
             return None, {"rc": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
         child = json.loads(out.read_text())["runs"][0]
-    keep = ("warmup_s", "compile_phases_s", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses", "cache_dir_was_empty")
+    keep = ("warmup_s", "compile_phases_s", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses",
+            "cache_dir_was_empty", "prewarm_at_first_call")
     return child.get("warmup_s"), {k: child.get(k) for k in keep}
 
 

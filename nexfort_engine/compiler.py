@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import counters, regions, shapes
+from . import counters, prewarm, regions, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
@@ -479,8 +480,15 @@ class CompiledModule(torch.nn.Module):
             if self._nx_compiled is None:
                 with _compile_lock:
                     if self._nx_compiled is None:
+                        # a running prewarm imports what this compile would: not both at once; the
+                        # modules this compile imports are listed for the next process's prewarm
+                        prewarm.wait()
+                        before = frozenset(sys.modules)
                         self._setup(_first_tensor(args, kwargs))
-                        return self._first_call(args, kwargs)
+                        out = self._first_call(args, kwargs)
+                        if self._nx_store is not None:
+                            prewarm.record(self._nx_store.root, before)
+                        return out
             return self._call_compiled(args, kwargs)
         except BaseException as err:
             if type(err).__name__ in PASSTHROUGH or not isinstance(err, Exception):

@@ -21,6 +21,9 @@ class NexfortExtension(ComfyExtension):
             pass
         else:
             register_routes()
+        from .prewarm import register_prewarm
+
+        register_prewarm()
         return NODES
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from comfy_api.latest import io, ui
 
 import nexfort_engine
+from nexfort_engine import prewarm
 from nexfort_engine.cache import CacheError, CacheStore, export_bundle, import_bundle
 
 from .patcher import cache_root
@@ -75,6 +76,11 @@ def report(store: CacheStore, message: str = "") -> str:
         f"misses={s['cache_misses']} fallbacks={s['fallbacks']} cudagraph skips={s.get('cudagraph_skips', 0)} "
         f"compile time={s['compile_seconds']:.1f}s"
     )
+    pw = prewarm.status()
+    if pw["state"] != "idle":
+        lines.append(f"prewarm: {pw['state']}, {pw['imported']} of {pw['listed']} modules imported"
+                     + (f" in {pw['seconds']:.1f}s" if pw["state"] == "done" else "")
+                     + (f", {pw['failed']} failed" if pw["failed"] else ""))
     for label, m in s["models"].items():
         how = ("regional: " + ", ".join(m["regions"])) if m.get("regions") else "whole model"
         if m.get("fp8"):

@@ -67,7 +67,7 @@ def cache_listing() -> list[dict[str, Any]]:
 
 def collect_stats() -> dict[str, Any]:
     """The body of ``GET /nexfort/stats``:
-    ``{"engine": {...}, "cache": [...], "cache_dir": str | None, "errors": [...]}``."""
+    ``{"engine": {...}, "cache": [...], "cache_dir": str | None, "prewarm": {...}, "errors": [...]}``."""
     errors: list[str] = []
     try:
         from .patcher import cache_root
@@ -88,7 +88,14 @@ def collect_stats() -> dict[str, Any]:
         logger.debug("nexfort stats: cache listing unavailable", exc_info=True)
         errors.append(f"cache: {type(e).__name__}: {e}")
         cache = []
-    return {"engine": engine, "cache": cache, "cache_dir": cache_dir, "errors": errors}
+    try:
+        from nexfort_engine import prewarm
+
+        prewarm_status: dict[str, Any] = prewarm.status()
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"prewarm: {type(e).__name__}: {e}")
+        prewarm_status = {}
+    return {"engine": engine, "cache": cache, "cache_dir": cache_dir, "prewarm": prewarm_status, "errors": errors}
 
 
 async def get_stats(request) -> Any:
