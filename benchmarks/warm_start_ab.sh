@@ -32,7 +32,8 @@ r = json.load(open(sys.argv[1]))["runs"][0]
 ph = r.get("compile_phases_s") or {}
 keep = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler")
 print(f"prewarm={sys.argv[2]} warmup_s={r.get('warmup_s'):.2f} prewarm_at_first_call={r.get('prewarm_at_first_call')} "
-      f"phases={ {k: ph.get(k) for k in keep} } compiles={r.get('compiles')} hits={r.get('cache_hits')}")
+      f"phases={ {k: ph.get(k) for k in keep} } compiles={r.get('compiles')} hits={r.get('cache_hits')} "
+      f"fallbacks={r.get('fallbacks')} {r.get('fallback_reasons') or ''}")
 PYEOF
     done
 done

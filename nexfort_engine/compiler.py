@@ -38,6 +38,7 @@ from .options import CompileConfig, parse_options
 from .passes import group_norm
 from .reductions import persistent_rows
 from .settings import Settings, fp16_accumulation_pays, resolve, runtime_overrides
+from .threads import adopt_cudagraph_trees
 from .weight_layout import ChannelsLastWeights
 
 log = logging.getLogger(__name__)
@@ -388,6 +389,8 @@ class CompiledModule(torch.nn.Module):
         graphs0 = self._nx_graphs
         hit0, miss0 = _fx_counters()
         skips0 = _cudagraph_skips() if self._nx_cudagraphs else 0
+        if self._nx_cudagraphs:  # CUDA-graph trees' per-thread state, where another thread imported them
+            adopt_cudagraph_trees()
         if self._nx_fp8 is not None:  # outside the graph: CUDA-graph replays skip the op's Python
             self._nx_fp8.refresh()
         if self._nx_conv_weights is not None:

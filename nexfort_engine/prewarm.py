@@ -11,7 +11,11 @@ The nodes start it when a prompt is queued (every custom node has loaded by then
 Safety:
 
 * Only modules of the libraries in :data:`PACKAGES` (no host code, no custom nodes, no kernel
-  modules Inductor generated: those have hash names and are never listed).
+  modules Inductor generated: those have hash names and are never listed), and none that set up
+  per-thread state when imported (:data:`THREAD_BOUND`: CUDA-graph trees; with torch 2.11 every
+  compiled call fell back to eager on the H200 when the prewarm thread had imported them. The
+  compiled module also gives its thread that state if another thread imported them anyway:
+  ``threads.py``).
 * A compiled call waits for a running prewarm before it compiles (:func:`wait`), so the thread
   and Dynamo never import the same modules at once.
 * Each import is tried on its own; one that fails is counted and skipped. A ``prewarm.json``
@@ -44,12 +48,14 @@ VERSION = 1
 #: top-level packages whose modules may be prewarmed: the compile stack and its dependencies
 PACKAGES = frozenset({"torch", "functorch", "sympy", "mpmath", "networkx", "triton", "jinja2", "markupsafe",
                       "filelock", "cudnn"})
+#: modules that set up per-thread state when imported (threads.py): left to the compiling thread
+THREAD_BOUND = frozenset({"torch._inductor.cudagraph_trees"})
 #: more names than a first call imports (about 750 on the CPU box); keeps a damaged list small
 MAX_MODULES = 5000
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
-_status: dict[str, Any] = {"state": "idle", "listed": 0, "imported": 0, "failed": 0, "seconds": 0.0}
+_status: dict[str, Any] = {"state": "idle", "listed": 0, "imported": 0, "present": 0, "failed": 0, "seconds": 0.0}
 
 
 def enabled() -> bool:
@@ -61,7 +67,7 @@ def allowed(name: str) -> bool:
     names (Inductor's generated modules, e.g. ``torch._inductor.runtime.compile_tasks.<hash>``)."""
     parts = name.split(".")
     return (parts[0] in PACKAGES and all(p.isidentifier() and len(p) < 40 for p in parts)
-            and "__main__" not in parts)
+            and "__main__" not in parts and name not in THREAD_BOUND)
 
 
 def _path(root: str | os.PathLike[str]) -> Path:
@@ -119,7 +125,8 @@ def _torch_version() -> str:
 def _import_all(names: list[str]) -> None:
     t0 = time.perf_counter()
     for name in names:
-        if name in sys.modules:
+        if name in sys.modules:  # imported meanwhile, by an earlier name of the list
+            _status["present"] += 1
             continue
         try:
             importlib.import_module(name)
@@ -163,7 +170,8 @@ def wait(timeout: float | None = None) -> None:
 
 
 def status() -> dict[str, Any]:
-    """``state`` (idle, running, done), ``listed`` (names to import), ``imported``, ``failed``, ``seconds``."""
+    """``state`` (idle, running, done), ``listed`` (names not imported when it started),
+    ``imported``, ``present`` (imported meanwhile by an earlier name), ``failed``, ``seconds``."""
     return dict(_status)
 
 
@@ -173,4 +181,4 @@ def reset() -> None:
     wait()
     with _lock:
         _thread = None
-        _status.update(state="idle", listed=0, imported=0, failed=0, seconds=0.0)
+        _status.update(state="idle", listed=0, imported=0, present=0, failed=0, seconds=0.0)

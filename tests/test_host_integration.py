@@ -116,6 +116,12 @@ def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
 
     _run(comfy, COMPILED_WORKFLOW)
     warm = _engine(comfy)
+    # the first process listed the modules its first compile imported; the prompt started their
+    # prewarm in the new process, and the compile waited for it (nexfort_engine/prewarm.py)
+    assert (nexfort_cache_dir / "prewarm.json").is_file()
+    prewarm = comfy.stats()["prewarm"]
+    assert prewarm["state"] == "done" and prewarm["listed"] > 0, prewarm
+    assert prewarm["imported"] + prewarm["present"] + prewarm["failed"] == prewarm["listed"], prewarm
     assert warm["fallbacks"] == 0, warm["fallback_reasons"]
     assert warm["compiles"] >= 1, warm
     assert warm["cache_hits"] > 0, f"restart did not hit the persisted cache: {warm}"
