@@ -156,3 +156,37 @@ def test_adopt_cudagraph_trees_in_another_thread():
 def test_load_rejects_other_shapes(tmp_path, bad):
     (tmp_path / prewarm.FILE).write_text(bad)
     assert prewarm.load(tmp_path) == [] and not (tmp_path / prewarm.FILE).exists()
+
+
+GPU_THREADS = """
+import json, sys, threading
+sys.path.insert(0, sys.argv[1])
+import torch
+import nexfort_engine
+from nexfort_engine import compiler
+# another thread imports CUDA-graph trees first (the prewarm thread, another custom node)
+t = threading.Thread(target=lambda: __import__("torch._inductor.cudagraph_trees"))
+t.start(); t.join()
+if sys.argv[3] == "no-adopt":  # the control: the engine without threads.py's adoption
+    compiler.adopt_cudagraph_trees = lambda: False
+m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).cuda().half()
+cm = nexfort_engine.compile(m, {"mode": "O2"}, cache_dir=sys.argv[2])
+x = torch.randn(4, 64, device="cuda", dtype=torch.half)
+outs = [cm(x) for _ in range(4)]
+ref = m(x)
+s = nexfort_engine.stats()
+ct = sys.modules["torch._inductor.cudagraph_trees"]
+print(json.dumps({"fallbacks": s["fallbacks"], "reasons": s["fallback_reasons"], "compiles": s["compiles"],
+                  "err": float((outs[-1] - ref).abs().max()), "torch_inits_threads": hasattr(ct, "_initialize_tls")}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_cudagraphs_run_after_another_thread_imported_them(tmp_path):
+    out = _fresh(GPU_THREADS, str(tmp_path / "a"), "adopt")
+    assert out["fallbacks"] == 0 and out["compiles"] == 1, out
+    assert out["err"] < 1e-2, out
+    control = _fresh(GPU_THREADS, str(tmp_path / "b"), "no-adopt")
+    if not control["torch_inits_threads"]:  # torch 2.11: without the adoption the run falls back
+        assert control["fallbacks"] == 1 and "AssertionError" in control["reasons"][0], control
