@@ -16,8 +16,8 @@ Safety:
   compiled call fell back to eager on the H200 when the prewarm thread had imported them. The
   compiled module also gives its thread that state if another thread imported them anyway:
   ``threads.py``).
-* A compiled call waits for a running prewarm before it compiles (:func:`wait`), so the thread
-  and Dynamo never import the same modules at once.
+* A compiled call waits for a running prewarm before it compiles (:func:`wait`, at most
+  :data:`WAIT_S`), so the thread and Dynamo never import the same modules at once.
 * Each import is tried on its own; one that fails is counted and skipped. A ``prewarm.json``
   that does not parse is removed (rebuilt by the next first call).
 * ``NEXFORT_PREWARM=0`` turns it off.
@@ -50,6 +50,8 @@ PACKAGES = frozenset({"torch", "functorch", "sympy", "mpmath", "networkx", "trit
                       "filelock", "cudnn"})
 #: modules that set up per-thread state when imported (threads.py): left to the compiling thread
 THREAD_BOUND = frozenset({"torch._inductor.cudagraph_trees"})
+#: the longest a compile waits for a running prewarm (seconds; a whole prewarm took 1.7 s on an H200 host)
+WAIT_S = 120.0
 #: more names than a first call imports (about 750 on the CPU box); keeps a damaged list small
 MAX_MODULES = 5000
 
@@ -160,13 +162,21 @@ def start(root: str | os.PathLike[str] | None, background: bool = True) -> bool:
     return True
 
 
-def wait(timeout: float | None = None) -> None:
-    """Block until a running prewarm has finished (called before a compile)."""
+def wait(timeout: float | None = WAIT_S) -> bool:
+    """Block until a running prewarm has finished (called before a compile), at most ``timeout``
+    seconds: a compile is never held up longer by an import that does not return. Returns
+    whether no prewarm is running any more."""
     t = _thread
-    if t is not None and t.is_alive() and t is not threading.current_thread():
-        t0 = time.perf_counter()
-        t.join(timeout)
-        log.debug("nexfort: waited %.2fs for the prewarm", time.perf_counter() - t0)
+    if t is None or not t.is_alive() or t is threading.current_thread():
+        return True
+    t0 = time.perf_counter()
+    t.join(timeout)
+    if t.is_alive():
+        log.warning("nexfort: the prewarm is still importing after %.0fs; compiling without waiting for it",
+                    time.perf_counter() - t0)
+        return False
+    log.debug("nexfort: waited %.2fs for the prewarm", time.perf_counter() - t0)
+    return True
 
 
 def status() -> dict[str, Any]:
@@ -178,7 +188,7 @@ def status() -> dict[str, Any]:
 def reset() -> None:
     """Forget this process's prewarm (tests)."""
     global _thread
-    wait()
+    wait(None)
     with _lock:
         _thread = None
         _status.update(state="idle", listed=0, imported=0, present=0, failed=0, seconds=0.0)

@@ -152,6 +152,22 @@ def test_adopt_cudagraph_trees_in_another_thread():
     assert out["other"] == {"adopted": True, "has": True}
 
 
+def test_wait_is_bounded(monkeypatch, caplog):
+    import threading
+
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)  # an import that does not return
+    stuck.start()
+    monkeypatch.setattr(prewarm, "_thread", stuck)
+    try:
+        assert prewarm.wait(0.2) is False
+        assert "still importing" in caplog.text
+    finally:
+        release.set()
+        stuck.join()
+    assert prewarm.wait(0.2) is True
+
+
 @pytest.mark.parametrize("bad", ["[]", json.dumps({"version": prewarm.VERSION, "modules": "torch"})])
 def test_load_rejects_other_shapes(tmp_path, bad):
     (tmp_path / prewarm.FILE).write_text(bad)
