@@ -63,6 +63,31 @@ def test_commit_then_hit(store):
     assert row["label"] == "tiny"
 
 
+def test_recommit_after_a_warm_call_hashes_only_what_changed(store, monkeypatch):
+    make_entry(store, "abc123")
+    hashed = []
+    real = store_mod._sha256_file
+    monkeypatch.setattr(store_mod, "_sha256_file", lambda p: hashed.append(p.name) or real(p))
+    e = store.entry("abc123")  # a new process's object: verify hashes everything
+    with e.lock():
+        assert e.verify(ENV) == "hit" and len(hashed) == len(FILES)
+        hashed.clear()
+        e.commit(ENV)  # a warm call wrote nothing: no file is hashed again
+        assert hashed == []
+        (e.artifacts / "aotautograd" / "x").write_bytes(b"changed")  # a recompile rewrote one
+        (e.artifacts / "triton" / "new.cubin").parent.mkdir(parents=True)
+        (e.artifacts / "triton" / "new.cubin").write_bytes(b"cubin")
+        e.commit(ENV)
+        assert sorted(hashed) == ["new.cubin", "x"]
+    manifest = json.loads((e.path / MANIFEST).read_text())
+    assert manifest["files"]["aotautograd/x"]["sha256"] == hashlib.sha256(b"changed").hexdigest()
+    assert manifest["files"]["cpp/kernel.so"]["sha256"] == hashlib.sha256(FILES["cpp/kernel.so"]).hexdigest()
+    # altered behind the manifest's back (same size): a later verify still hashes and catches it
+    (e.artifacts / "cpp" / "kernel.so").write_bytes(b"\x7fELF" + b"x" * 300)
+    with e.lock():
+        assert store.entry("abc123").verify(ENV) == "corrupt"
+
+
 def test_fresh_entry_is_a_miss(store):
     e = store.entry("aa")
     with e.lock():
