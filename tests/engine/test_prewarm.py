@@ -67,11 +67,11 @@ START = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from nexfort_engine import prewarm
-root, names = sys.argv[2], sys.argv[3].split(",")
+root, names, background = sys.argv[2], sys.argv[3].split(","), sys.argv[4] == "thread"
 import torch  # what ComfyUI has imported before any prompt
 json.dump({"version": prewarm.VERSION, "modules": names}, open(root + "/" + prewarm.FILE, "w"))
 before = {n: n in sys.modules for n in names}
-started = prewarm.start(root)
+started = prewarm.start(root, background=background)
 again = prewarm.start(root)  # once per process
 prewarm.wait()
 print(json.dumps({"started": started, "again": again, "before": before, "status": prewarm.status(),
@@ -79,9 +79,10 @@ print(json.dumps({"started": started, "again": again, "before": before, "status"
 """
 
 
-def test_start_imports_the_list_in_a_thread(tmp_path):
+@pytest.mark.parametrize("how", ["thread", "inline"])  # inline: the twin, what a first call does itself
+def test_start_imports_the_list(tmp_path, how):
     names = ["torch._inductor.lowering", "sympy.solvers.solveset", "torch.no_such_module"]
-    out = _fresh(START, str(tmp_path), ",".join(names))
+    out = _fresh(START, str(tmp_path), ",".join(names), how)
     assert out["started"] and not out["again"]
     assert not any(out["before"][n] for n in names[:2])  # a fresh interpreter had not imported them
     assert out["after"]["torch._inductor.lowering"] and out["after"]["sympy.solvers.solveset"]
@@ -92,7 +93,7 @@ def test_start_imports_the_list_in_a_thread(tmp_path):
 
 
 def test_start_turned_off_or_without_a_list(tmp_path):
-    out = _fresh(START, str(tmp_path), "torch._inductor.lowering", env={prewarm.ENV_PREWARM: "0"})
+    out = _fresh(START, str(tmp_path), "torch._inductor.lowering", "thread", env={prewarm.ENV_PREWARM: "0"})
     assert not out["started"] and out["status"]["state"] == "idle" and not out["after"]["torch._inductor.lowering"]
     assert not prewarm.start(None)
 
