@@ -78,7 +78,7 @@ def report(store: CacheStore, message: str = "") -> str:
     )
     pw = prewarm.status()
     if pw["state"] != "idle":
-        lines.append(f"prewarm: {pw['state']}, {pw['imported']} of {pw['listed']} modules imported"
+        lines.append(f"prewarm: {pw['state']}, {pw['imported'] + pw['present']} of {pw['listed']} modules loaded"
                      + (f" in {pw['seconds']:.1f}s" if pw["state"] == "done" else "")
                      + (f", {pw['failed']} failed" if pw["failed"] else ""))
     for label, m in s["models"].items():

@@ -36,3 +36,13 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert "fp8 linears left off (model width 1280 < 2048)" in unet and "left off" not in pixart
     assert "recompile: 0/0: tensor 'x' rank mismatch" in text
     assert nexfort_engine.stats()["models"]["UNetModel:aa"]["spatial_multiple"] == 8
+
+
+def test_report_shows_the_prewarm(cache_manager, tmp_path, fresh_stats, monkeypatch):
+    from nexfort_engine import prewarm
+
+    assert "prewarm:" not in cache_manager.report(CacheStore(tmp_path))  # idle: not started here
+    monkeypatch.setattr(prewarm, "_status", {"state": "done", "listed": 700, "imported": 300, "present": 398,
+                                             "failed": 2, "seconds": 1.66})
+    text = cache_manager.report(CacheStore(tmp_path))
+    assert "prewarm: done, 698 of 700 modules loaded in 1.7s, 2 failed" in text
