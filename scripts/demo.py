@@ -202,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             say("  this run: warm start (reused the persisted cache, nothing compiled cold)")
         else:
             say("  this run: cold compile (cache now populated); run `make demo` again to see a warm start")
+        pw = stats.get("prewarm") or {}
+        if pw.get("listed"):
+            loaded = pw.get("imported", 0) + pw.get("present", 0)
+            say(f"  prewarm: {pw.get('state')}, {loaded} of {pw['listed']} listed modules loaded in the background"
+                f" before the first compile ({pw.get('failed', 0)} failed)")
+        elif pw.get("state") == "done":
+            say("  prewarm: nothing listed yet; this run's first compile listed its imports for the next start")
     say(f"server log: {log}")
     return 0 if not engine.get("fallbacks") else 1
 
