@@ -1,5 +1,6 @@
 """Shared helpers of the kernel and graph-pass tests.
 
+- ``fresh``: run a script in a fresh interpreter and return the JSON it printed last.
 - ``interpreted``: run a check script under Triton's interpreter in a subprocess
   (``TRITON_INTERPRET=1`` must be set before Triton builds a kernel, so it cannot run in-process)
   and return the JSON rows it printed last.
@@ -22,12 +23,17 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 
-def interpreted(script: str, *argv: str) -> list[dict]:
-    """The rows ``script`` prints as JSON (its last line), run by Triton's interpreter in a subprocess."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True, timeout=600)
+def fresh(script: str, *argv: str, env: dict[str, str] | None = None) -> Any:
+    """The JSON ``script`` prints last, run in a fresh interpreter (``env`` added to this one's)."""
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interpreted(script: str, *argv: str) -> list[dict]:
+    """The rows ``script`` prints as JSON (its last line), run by Triton's interpreter in a subprocess."""
+    return fresh(script, *argv, env={"TRITON_INTERPRET": "1"})
 
 
 def rewritten(rewrite: Callable[[torch.fx.GraphModule], Any], fn: Callable, args: tuple, kwargs: dict, *,

@@ -8,12 +8,12 @@ interpreters (subprocesses); the list's own logic runs in-process.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from pass_helpers import fresh
 
 from nexfort_engine import prewarm
 
@@ -22,12 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _fresh(script: str, *argv: str, env: dict | None = None) -> dict:
     """The JSON ``script`` prints last, run in a fresh interpreter with the repo importable."""
-    import os
-
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(REPO), *argv], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fresh(textwrap.dedent(script), str(REPO), *argv, env=env)
 
 
 def test_allowed_names():
