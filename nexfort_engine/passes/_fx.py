@@ -1,14 +1,35 @@
 """FX helpers the graph passes share: node tests, argument and example-value access, fake
-metadata for inserted nodes, and dead-chain removal."""
+metadata for inserted nodes, dead-chain removal, and cache marks for the functions passes insert."""
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import inspect
+import sys
+from typing import Any, Callable
 
 import torch
 from torch import fx
 
-__all__ = ["arg", "erase_dead", "fake_meta", "is_call", "is_method", "static", "static_width", "val"]
+__all__ = ["arg", "cache_marks_for", "erase_dead", "fake_meta", "is_call", "is_method", "static", "static_width", "val"]
+
+
+def cache_marks_for(fns: tuple[Callable[..., Any], ...]) -> dict[str, str]:
+    """Inductor's ``unsafe_marked_cacheable_functions`` entries for plain functions a pass puts into
+    graphs (AOTAutograd's cache bypasses graphs calling functions it does not know). The functions
+    must be pure and determined by their modules' sources: the value is a hash of those sources
+    (sorted by module name; where no source is shipped, the functions' bytecode and constants), so
+    it joins the cache keys and an edited module never reuses an old artifact."""
+    digest = hashlib.sha256()
+    for name in sorted({fn.__module__ for fn in fns}):
+        try:
+            digest.update(inspect.getsource(sys.modules[name]).encode())
+        except (OSError, TypeError):
+            for fn in fns:
+                if fn.__module__ == name:
+                    digest.update(fn.__code__.co_code + repr(fn.__code__.co_consts).encode())
+    value = digest.hexdigest()[:16]
+    return {f"{fn.__module__}.{fn.__name__}": value for fn in fns}
 
 
 def is_method(node: Any, name: str) -> bool:

@@ -33,11 +33,8 @@ disappear with them.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
 import operator
-import sys
 from typing import Any
 
 import torch
@@ -46,6 +43,7 @@ from torch import fx
 
 from .. import fp8_attention, rope, rowwise_quant  # noqa: F401 - registers the ops used here
 from ._fx import arg as _arg
+from ._fx import cache_marks_for
 from ._fx import erase_dead as _erase_dead
 from ._fx import fake_meta as _fake_meta
 from ._fx import is_call as _is_call
@@ -74,19 +72,8 @@ def cache_marks() -> dict[str, str]:
     puts into graphs (:func:`dequantize`, ``fp8_attention.quantize_values``/``pack_scales``,
     ``rope.fp8_scales``): AOTAutograd's cache bypasses graphs calling functions it does not know,
     and every warm start then re-traced the blocks (Flux O3: 9.11-11.62 s instead of 8.65, run114).
-    The functions are pure and determined by their modules' sources, whose hash is the value (an
-    edited module never reuses an old artifact)."""
-    fns = (dequantize, fp8_attention.quantize_values, fp8_attention.pack_scales, rope.fp8_scales)
-    digest = hashlib.sha256()
-    for name in sorted({fn.__module__ for fn in fns}):
-        try:
-            digest.update(inspect.getsource(sys.modules[name]).encode())
-        except (OSError, TypeError):  # no source shipped: the bytecode and constants identify them
-            for fn in fns:
-                if fn.__module__ == name:
-                    digest.update(fn.__code__.co_code + repr(fn.__code__.co_consts).encode())
-    value = digest.hexdigest()[:16]
-    return {f"{fn.__module__}.{fn.__name__}": value for fn in fns}
+    The functions are pure and determined by their modules' sources (``_fx.cache_marks_for``)."""
+    return cache_marks_for((dequantize, fp8_attention.quantize_values, fp8_attention.pack_scales, rope.fp8_scales))
 
 
 def _default_args(node: fx.Node) -> bool:

@@ -24,12 +24,10 @@ same ``(x - mean) * rsqrt(var + eps) * weight + bias`` in float32, cast once to 
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import sys
-
 import torch
 import torch.nn.functional as F
+
+from ._fx import cache_marks_for
 
 __all__ = ["cache_marks", "channels_last_input", "group_norm_channels_last", "rewrite_group_norms", "wanted"]
 
@@ -137,11 +135,5 @@ def cache_marks() -> dict[str, str]:
     AOTAutograd's cache only stores graphs whose functions it knows, and bypassed, every warm start
     re-traces the whole model through AOTAutograd (SD2.1 768² on an H200: 51 s instead of 24 s).
     The function is pure and fully determined by this module's source (it, the op it calls and
-    that op's lowering), whose hash is the value: it joins the cache keys, so an edited module
-    never reuses an old artifact."""
-    fn = group_norm_channels_last
-    try:
-        source = inspect.getsource(sys.modules[__name__]).encode()
-    except (OSError, TypeError):  # no source shipped: the bytecode and constants identify it too
-        source = fn.__code__.co_code + repr(fn.__code__.co_consts).encode()
-    return {f"{fn.__module__}.{fn.__name__}": hashlib.sha256(source).hexdigest()[:16]}
+    that op's lowering): ``_fx.cache_marks_for``."""
+    return cache_marks_for((group_norm_channels_last,))
