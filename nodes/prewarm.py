@@ -12,8 +12,6 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_registered = False
-
 
 def on_prompt(json_data: Any) -> Any:
     """ComfyUI's on-prompt handler: start the prewarm (once per process), pass the prompt on."""
@@ -32,7 +30,6 @@ def on_prompt(json_data: Any) -> Any:
 def register_prewarm(server: Any = None) -> bool:
     """Add :func:`on_prompt` to the server's on-prompt handlers (``PromptServer.instance`` by
     default). Idempotent; False without a server (plain Python, tests without a host)."""
-    global _registered
     if server is None:
         try:
             from server import PromptServer
@@ -41,8 +38,7 @@ def register_prewarm(server: Any = None) -> bool:
         server = getattr(PromptServer, "instance", None)
     if server is None or not hasattr(server, "add_on_prompt_handler"):
         return False
-    if _registered or on_prompt in getattr(server, "on_prompt_handlers", []):
+    if on_prompt in getattr(server, "on_prompt_handlers", []):
         return False
     server.add_on_prompt_handler(on_prompt)
-    _registered = True
     return True
