@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import sys
@@ -29,9 +30,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import counters, prewarm, regions, shapes
+from . import counters, precompile, prewarm, regions, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
-from .cache.store import ENV_CACHE_DIR
+from .cache.store import ENV_CACHE_DIR, atomic_write_bytes
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
 from .indexing import int32_size_args
 from .options import CompileConfig, parse_options
@@ -48,6 +49,16 @@ log = logging.getLogger(__name__)
 PASSTHROUGH = ("InterruptProcessingException", "KeyboardInterrupt")
 
 _compile_lock = threading.RLock()
+
+#: ``NEXFORT_PRECOMPILE=0``: compile through ``torch.compile`` only (no ahead-of-time artifacts)
+ENV_PRECOMPILE = "NEXFORT_PRECOMPILE"
+#: ahead-of-time graphs per compiled module (one per guard set: batch 1 and 2, another patch,
+#: a size Dynamo specialised); past it the module compiles through ``torch.compile``
+MAX_PRECOMPILED = 8
+
+
+def precompile_enabled() -> bool:
+    return os.environ.get(ENV_PRECOMPILE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _exception_chain(err: BaseException) -> list[BaseException]:
@@ -144,6 +155,15 @@ class CompiledModule(torch.nn.Module):
         self._nx_fp8_attentions = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
+        #: ahead-of-time graphs (precompile.py) in use instead of torch.compile's, in trace order
+        self._nx_aot = False
+        self._nx_aot_artifacts: list[precompile.Artifact] = []
+        #: this entry's saved graphs not loaded yet (loaded one by one until one applies)
+        self._nx_aot_pending: list[Any] = []
+        self._nx_aot_loaded = 0
+        self._nx_aot_load_s = 0.0
+        self._nx_recompile_reason: str | None = None
+        self._nx_aot_used = False
         self._nx_cudagraphs = False
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
         self._nx_fp8: ModuleWeights | None = None
@@ -200,6 +220,8 @@ class CompiledModule(torch.nn.Module):
                 self._nx_fp8_attentions += n
                 counters.set_info(self._nx_label, attention_fp8=self._nx_fp8_attentions)
         compiled = self._compile_graph(gm, example_inputs)
+        if self._nx_aot:
+            compiled = precompile.serializable(compiled)
         self._nx_graphs += 1
         return compiled
 
@@ -309,13 +331,151 @@ class CompiledModule(torch.nn.Module):
             self._nx_label = f"{self._nx_name}:{key[:8]}"
             counters.rename(old_label, self._nx_label)
             counters.set_info(self._nx_label, cache_key=key)
+        self._nx_aot = (
+            self._nx_entry is not None
+            and not self._nx_regions
+            and self._nx_config.backend == "inductor"
+            and not self._nx_settings.fp8  # its torch-function mode is not part of a saved graph
+            and not self._nx_settings.fp8_attention
+            and precompile_enabled()
+            and precompile.available()
+            and not (self._aot_dir() / precompile.UNSUPPORTED).exists()
+        )
+        counters.set_info(self._nx_label, precompiled="on" if self._nx_aot else "off")
+        if self._nx_aot:
+            self._nx_compiled = self._call_aot
+            return
+        self._nx_compiled = self._torch_compiled(example)
+
+    def _torch_compiled(self, example: torch.Tensor | None) -> Callable[..., Any]:
         target = self._orig_mod if self._nx_method == "forward" else getattr(self._orig_mod, self._nx_method)
         if self._nx_regions:
-            self._nx_compiled = self._compile_regions(target)
-        elif self._nx_fold > 1 and example is not None:
-            self._nx_compiled = self._torch_compile(shapes.unfolding(target, example.dim()))
+            return self._compile_regions(target)
+        if self._nx_fold > 1 and example is not None:
+            return self._torch_compile(shapes.unfolding(target, example.dim()))
+        return self._torch_compile(target)
+
+    # -- ahead-of-time graphs (precompile.py): a warm start loads them instead of re-tracing
+    def _aot_dir(self) -> Any:
+        assert self._nx_entry is not None
+        return self._nx_entry.artifacts / precompile.DIRNAME
+
+    def _aot_target(self, example: torch.Tensor | None) -> Callable[..., Any]:
+        fn = getattr(type(self._orig_mod), self._nx_method)
+        if self._nx_fold > 1 and example is not None:
+            return shapes.unfolding_method(fn, example.dim())
+        return fn
+
+    def _aot_find(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> tuple[Any, str | None]:
+        """The first graph whose guards pass for ``args`` (the module first): among those loaded,
+        then loading this entry's saved ones not loaded yet, one at a time (a stale file is
+        removed; the next commit drops it from the manifest). ``(None, why)`` if none applies."""
+        why = None
+        for artifact in self._nx_aot_artifacts:
+            why = artifact.check(args, kwargs)
+            if why is None:
+                return artifact, None
+        while self._nx_aot_pending:
+            path = self._nx_aot_pending.pop(0)
+            t0 = time.perf_counter()
+            try:
+                artifact = precompile.from_bytes(path.read_bytes(), self._aot_target(example).__globals__,
+                                                 self._inductor_patches())
+            except (precompile.StaleArtifact, OSError) as e:
+                counters.set_info(self._nx_label, precompiled_stale=f"{path.name}: {e}")
+                log.info("nexfort: %s: precompiled graph %s not used: %s", self._nx_label, path.name, e)
+                self._aot_forget(path)
+                continue
+            finally:
+                self._nx_aot_load_s += time.perf_counter() - t0
+            artifact.path = path
+            self._nx_aot_artifacts.append(artifact)
+            self._nx_aot_loaded += 1
+            why = artifact.check(args, kwargs)
+            if why is None:
+                return artifact, None
+        return None, why
+
+    def _aot_forget(self, path: Any) -> None:
+        """Remove a saved graph that no longer applies, and re-commit the entry's manifest (a
+        listed file missing would read as corruption next time)."""
+        entry = self._nx_entry
+        try:
+            path.unlink()
+            if entry is not None:
+                with entry.lock():
+                    entry.commit(self._nx_env or {})
+        except OSError as e:
+            log.warning("nexfort: could not remove stale precompiled graph %s (%s)", path, e)
+
+    def _inductor_patches(self) -> dict[str, Any] | None:
+        return dict(self._nx_settings.inductor) if self._nx_settings is not None else None
+
+    def _call_aot(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the first saved graph whose guards pass; else trace a new one (a recompile); past
+        :data:`MAX_PRECOMPILED`, or where the model cannot be traced as one graph, compile through
+        ``torch.compile`` from then on."""
+        example = _first_tensor(args, kwargs)
+        call_args = (self._orig_mod, *shapes.fold_spatial(args, self._nx_fold, mark=False))
+        artifact, why = self._aot_find(call_args, kwargs, example)
+        if artifact is not None:
+            return artifact(*call_args, **kwargs)
+        if len(self._nx_aot_artifacts) < MAX_PRECOMPILED:
+            if self._nx_aot_artifacts:
+                self._nx_recompile_reason = f"precompiled graph guards: {why}"
+                log.info("nexfort: %s: no saved graph applies (%s); tracing one", self._nx_label, why)
+            artifact = self._aot_compile(args, kwargs, example)
+            if artifact is not None:
+                if (own := artifact.check(call_args, kwargs)) is None:
+                    return artifact(*call_args, **kwargs)
+                self._aot_unsupported(f"its own inputs fail the saved guards: {own}")
         else:
-            self._nx_compiled = self._torch_compile(target)
+            log.warning("nexfort: %s: %d precompiled graphs; compiling through torch.compile from now on",
+                        self._nx_label, MAX_PRECOMPILED)
+        self._nx_aot = False
+        self._nx_compiled = self._torch_compiled(example)
+        return self._call_traced(args, kwargs)
+
+    def _aot_compile(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> precompile.Artifact | None:
+        """Trace ``(args, kwargs)`` into one saved graph and load it back (``None``: the model
+        cannot be traced so; noted in the entry, and torch.compile is used)."""
+        trace_args, trace_kwargs = shapes.detached(args, kwargs)
+        if self._nx_config.dynamic:
+            shapes.mark_dynamic_dims(trace_args, trace_kwargs)
+        trace_args = shapes.fold_spatial(trace_args, self._nx_fold)
+        target = self._aot_target(example)
+        self_name = next(iter(inspect.signature(target).parameters), None)
+        graphs0 = self._nx_graphs
+        taken = {p.name for p in precompile.files(self._aot_dir())}
+        path = next(self._aot_dir() / f"{i}.bin" for i in range(MAX_PRECOMPILED + len(taken) + 1)
+                    if f"{i}.bin" not in taken)
+        try:
+            compiled, recorder = precompile.trace(target, (self._orig_mod, *trace_args), trace_kwargs,
+                                                  self._backend, self_name)
+            data = precompile.to_bytes(compiled, recorder)
+            atomic_write_bytes(path, data)
+            artifact = precompile.from_bytes(data, target.__globals__, self._inductor_patches())
+        except Exception as e:
+            if type(e).__name__ in PASSTHROUGH:
+                raise
+            self._nx_graphs = graphs0  # a graph compiled before the failure is not used
+            with contextlib.suppress(OSError):
+                path.unlink()
+            text = str(e).strip()
+            self._aot_unsupported(f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+            return None
+        artifact.path = path
+        self._nx_aot_artifacts.append(artifact)
+        counters.set_info(self._nx_label, precompiled_graphs=len(self._nx_aot_artifacts),
+                          precompiled_guards_dropped=len(recorder.dropped))
+        return artifact
+
+    def _aot_unsupported(self, reason: str) -> None:
+        counters.set_info(self._nx_label, precompiled=f"off: {reason}")
+        log.warning("nexfort: %s: no precompiled graph (%s); compiling through torch.compile", self._nx_label, reason)
+        with contextlib.suppress(OSError):
+            (self._aot_dir() / precompile.UNSUPPORTED).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self._aot_dir() / precompile.UNSUPPORTED, reason.encode())
 
     def _torch_compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(
@@ -382,6 +542,8 @@ class CompiledModule(torch.nn.Module):
                 if state == "corrupt":
                     counters.bump(self._nx_label, "corrupt_entries")
                 log.info("nexfort: cache entry %s: %s", entry.key, state)
+                if self._nx_aot and state == "hit":
+                    self._nx_aot_pending = precompile.files(self._aot_dir())
             return self._call_compiled(args, kwargs)
 
     def _call_compiled(self, args: tuple, kwargs: dict) -> Any:
@@ -399,14 +561,11 @@ class CompiledModule(torch.nn.Module):
         with self._scope():
             if graphs0 == 0:
                 counters.set_info(self._nx_label, state="compiling")
-            if self._nx_config.dynamic:  # marks are read only when Dynamo (re)compiles
-                shapes.mark_dynamic_dims(args, kwargs)
-                args = shapes.fold_spatial(args, self._nx_fold)
             if self._nx_cudagraphs:
                 # each call is a new inference step: its outputs are consumed before the next call
                 # (ComfyUI accumulates them at once), so CUDA-graph trees may reuse their memory
                 torch.compiler.cudagraph_mark_step_begin()
-            out = self._nx_compiled(*args, **kwargs)
+            out = self._nx_compiled(*args, **kwargs) if self._nx_aot else self._call_traced(args, kwargs)
         dt = time.perf_counter() - t0
         if self._nx_cudagraphs and (skipped := _cudagraph_skips() - skips0):
             counters.bump(self._nx_label, "cudagraph_skips", skipped)
@@ -414,9 +573,35 @@ class CompiledModule(torch.nn.Module):
         if new:
             hit1, miss1 = _fx_counters()
             self._after_compile(new, dt, hit1 - hit0, miss1 - miss0)
+        elif graphs0 == 0 and self._nx_aot_artifacts and not self._nx_aot_used:
+            self._after_load(dt)
         else:
             counters.add_seconds(self._nx_label, "compiled_call", dt)
         return out
+
+    def _call_traced(self, args: tuple, kwargs: dict) -> Any:
+        assert self._nx_compiled is not None
+        if self._nx_config.dynamic:  # marks are read only when Dynamo (re)compiles
+            shapes.mark_dynamic_dims(args, kwargs)
+            args = shapes.fold_spatial(args, self._nx_fold)
+        return self._nx_compiled(*args, **kwargs)
+
+    def _after_load(self, seconds: float) -> None:
+        """The first call ran a graph loaded from the cache: nothing was traced or compiled."""
+        self._nx_aot_used = True
+        label = self._nx_label  # ``seconds`` includes loading (``_nx_aot_load_s`` of them)
+        counters.bump(label, "cache_hits", self._nx_aot_loaded)
+        counters.add_seconds(label, "compile", seconds)
+        counters.set_info(label, state="compiled", precompiled_graphs=self._nx_aot_loaded)
+        log.info("nexfort: %s ran %d precompiled graph(s) from the cache in %.1fs, %.1fs of it loading (nothing "
+                 "traced)", label, self._nx_aot_loaded, seconds, self._nx_aot_load_s)
+        entry = self._nx_entry
+        if entry is not None:
+            try:
+                with entry.lock():
+                    entry.update_meta(hits=int(entry.read_meta().get("hits", 0)) + 1)
+            except OSError as e:
+                log.warning("nexfort: could not update cache entry %s (%s)", entry.key, e)
 
     def _refresh_conv_weights(self) -> None:
         assert self._nx_conv_weights is not None
@@ -431,7 +616,8 @@ class CompiledModule(torch.nn.Module):
         recompiles = max(0, new - (len(self._nx_regions) or 1)) if first else new
         if recompiles:
             counters.bump(label, "recompiles", recompiles)
-            counters.add_reason(label, "recompile", _last_recompile_reason())
+            reason, self._nx_recompile_reason = self._nx_recompile_reason or _last_recompile_reason(), None
+            counters.add_reason(label, "recompile", reason)
         counters.bump(label, "cache_hits", hits)
         counters.bump(label, "cache_misses", misses)
         counters.add_seconds(label, "compile", seconds)

@@ -192,7 +192,7 @@ def _foldable(v: Any, multiple: int) -> bool:
     )
 
 
-def fold_spatial(args: tuple, multiple: int) -> tuple:
+def fold_spatial(args: tuple, multiple: int, mark: bool = True) -> tuple:
     """Pass the image input (``args[0]``, ``[B, C, *S]``) as ``[B, C, S0/m, m, S1/m, m, ...]``: the
     same memory, with each spatial size split into a dynamic quotient and a static ``m``.
 
@@ -210,7 +210,8 @@ def fold_spatial(args: tuple, multiple: int) -> tuple:
     of images in multiples of 64 pixels from 128 up (every common SD/SDXL size) are multiples of 8.
 
     The view is detached so Dynamo sees a plain tensor on the same memory, not a view whose base
-    it would trace (and guard) too (see :func:`prepare_block_inputs`).
+    it would trace (and guard) too (see :func:`prepare_block_inputs`). ``mark=False``: no dynamic
+    marks (a precompiled graph's guards expect none, :mod:`nexfort_engine.precompile`).
     """
     if multiple <= 1 or not args or not _foldable(args[0], multiple):
         return args
@@ -219,6 +220,8 @@ def fold_spatial(args: tuple, multiple: int) -> tuple:
     for s in x.shape[2:]:
         split += [s // multiple, multiple]
     folded = x.view(split).detach()
+    if not mark:
+        return (folded, *args[1:])
     quotients = list(range(2, folded.dim(), 2))
     torch._dynamo.maybe_mark_dynamic(folded, [0, *quotients])
     for d in range(1, folded.dim()):
@@ -227,27 +230,66 @@ def fold_spatial(args: tuple, multiple: int) -> tuple:
     return (folded, *args[1:])
 
 
+def _merged(x: Any, ndim: int) -> Any:
+    """The image input back at rank ``ndim`` if :func:`fold_spatial` split it, else as it is."""
+    folded_rank = 2 + 2 * (ndim - 2)
+    if isinstance(x, torch.Tensor) and ndim >= 4 and x.dim() == folded_rank:
+        merged = [x.shape[0], x.shape[1]]
+        for d in range(2, folded_rank, 2):
+            merged.append(x.shape[d] * x.shape[d + 1])
+        x = x.reshape(merged)
+    return x
+
+
+def _renamed(call: Callable[..., Any], name: str, qualname: str) -> Callable[..., Any]:
+    code = call.__code__.replace(co_name=name, co_qualname=qualname) if hasattr(call.__code__, "co_qualname") else (
+        call.__code__.replace(co_name=name)
+    )
+    return types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
+
+
 def unfolding(fn: Callable[..., Any], ndim: int) -> Callable[..., Any]:
     """``fn`` taking its image input either as it is (rank ``ndim``) or split by :func:`fold_spatial`
     (rank ``2 + 2 * (ndim - 2)``), which it merges back before calling ``fn``."""
-    folded_rank = 2 + 2 * (ndim - 2)
 
     def call(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(x, torch.Tensor) and ndim >= 4 and x.dim() == folded_rank:
-            merged = [x.shape[0], x.shape[1]]
-            for d in range(2, folded_rank, 2):
-                merged.append(x.shape[d] * x.shape[d + 1])
-            x = x.reshape(merged)
-        return fn(x, *args, **kwargs)
+        return fn(_merged(x, ndim), *args, **kwargs)
 
     # Dynamo keeps graphs and automatic-dynamic state per code object: each wrapper gets a code
     # object of its own, or the wrappers of a VAE's decode and encode (or of two models) would
     # share one cache and fail each other's guards (recompiles, measured on the tiny VAE)
     name = f"nexfort_unfold_{getattr(fn, '__name__', 'fn')}"
-    code = call.__code__.replace(co_name=name, co_qualname=name) if hasattr(call.__code__, "co_qualname") else (
-        call.__code__.replace(co_name=name)
-    )
-    return types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
+    return _renamed(call, name, name)
+
+
+def unfolding_method(fn: Callable[..., Any], ndim: int) -> Callable[..., Any]:
+    """:func:`unfolding` for an unbound method ``fn(self, x, ...)``: the module stays the first
+    argument, named ``self`` (:mod:`nexfort_engine.precompile` checks guards on it once per
+    process). Its qualified name says it is nested, so torch's AOT pickler saves it by code and
+    closure (``fn`` by reference)."""
+
+    def call(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(self, _merged(x, ndim), *args, **kwargs)
+
+    name = f"nexfort_unfold_method_{getattr(fn, '__name__', 'fn')}"
+    return _renamed(call, name, f"unfolding_method.<locals>.{name}")
+
+
+def detached(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every tensor (also inside dicts/lists/tuples, as
+    :func:`mark_dynamic_dims` visits them) replaced by a new tensor object on the same memory:
+    marks set on those for a trace leave the caller's tensors unmarked."""
+
+    def copy(v: Any, depth: int = 0) -> Any:
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+            return v.detach()
+        if depth < 3 and isinstance(v, dict):
+            return type(v)((k, copy(x, depth + 1)) for k, x in v.items()) if type(v) is dict else v
+        if depth < 3 and type(v) in (list, tuple):
+            return type(v)(copy(x, depth + 1) for x in v)
+        return v
+
+    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
 
 
 def conv_count(module: torch.nn.Module) -> int:

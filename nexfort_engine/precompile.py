@@ -1,0 +1,377 @@
+"""Ahead-of-time traced graphs that a restart loads instead of re-tracing the model.
+
+A warm start through ``torch.compile`` hits Inductor's caches but Dynamo still re-traces the
+whole module: 9.5–11.8 s for SD2.1's UNet and 18–24 s for SDXL's on an H200 (BENCHMARKS.md,
+sixteenth session). Here the first compile traces with torch's
+``torch._dynamo.aot_compile.aot_compile_fullgraph`` instead, and the result — the transformed
+bytecode, its guards and the bundled AOTAutograd/Inductor output — is saved as one file in the
+cache entry (:func:`save`). A restarted process loads it (:func:`load`) and calls it; nothing is
+traced. The cold process loads its own file back too, so both run exactly what was saved.
+
+Guards. torch serialises most of a trace's guards (tensor dtypes/devices/sizes, the shape
+environment's relations between dynamic sizes, constants and dict keys read from the inputs and
+the module). The rest cannot be serialised and are dropped from torch's set here
+(:class:`GuardRecorder`): identity guards on globals and functions, and guards on classes defined
+inside other classes, as ComfyUI's ``comfy.ops.*.Linear`` layers are. For each dropped guard the
+recorder keeps the guarded name and a *fingerprint* of what it resolved to (:func:`fingerprint`:
+a module's name, a function's qualified name and bytecode hash, a class's qualified name, a
+constant's value). An artifact is used only while those names resolve to the same fingerprints:
+names rooted in the call's inputs other than the module (a patch function inside ComfyUI's
+``transformer_options``) are checked on every call, the others (globals, the module's own
+classes) once per process. The source of every function the trace inlined is hashed too
+(torch's ``SourceInfo``), so an edited or upgraded host file makes the artifact stale. A stale or
+unreadable artifact is never an error: the caller traces again.
+
+Dynamic sizes are marked on *copies* of the inputs for the trace only: a loaded artifact's
+tensor guards expect unmarked inputs (torch does not save the marks).
+
+Requires torch's ``aot_compile_fullgraph`` (2.11+) and one graph per call (``fullgraph``);
+:func:`available` says whether this torch has it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import hashlib
+import importlib
+import inspect
+import io
+import logging
+import pickle
+import re
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: bump when the file layout below changes: older files are then ignored (stale)
+FORMAT = 1
+#: per cache entry: ``<entry artifacts>/aot/<n>.bin``
+DIRNAME = "aot"
+#: written instead of artifacts when the model cannot be traced as one graph: the engine then
+#: compiles through ``torch.compile`` without trying again
+UNSUPPORTED = "unsupported.txt"
+#: guard types torch's own AOT path drops as unserialisable (``CheckFunctionManager``)
+_UNSERIALIZABLE = ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH",
+                   "CLOSURE_MATCH", "WEAKREF_ALIVE")
+
+
+class StaleArtifact(RuntimeError):
+    """A saved artifact that does not apply here (other torch, edited sources, changed globals)."""
+
+
+def available() -> bool:
+    """Whether this torch has the ahead-of-time pieces used here."""
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph  # noqa: F401
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable  # noqa: F401
+        from torch._dynamo.hooks import Hooks  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def serializable(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """A backend's Inductor output in the form ``aot_compile_fullgraph`` can save (torch 2.11
+    requires the backend to return it; 2.14 also wraps Inductor's output itself)."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable, SerializableCallable
+
+    if isinstance(compiled, SerializableCallable) or not hasattr(compiled, "serialize"):
+        return compiled
+    return BundledAOTAutogradSerializableCallable(compiled)
+
+
+# -- fingerprints of what a dropped guard guarded
+
+def _code_digest(code: types.CodeType) -> str:
+    h = hashlib.sha256(code.co_code)
+    for c in code.co_consts:
+        h.update((_code_digest(c) if isinstance(c, types.CodeType) else repr(c)).encode())
+    return h.hexdigest()[:16]
+
+
+def fingerprint(value: Any) -> str:
+    """What a guarded name resolves to, as a string that is equal in another process exactly when
+    it is the same module, function (qualified name and bytecode), class, builtin or constant."""
+    if inspect.ismodule(value):
+        return f"module:{value.__name__}"
+    if isinstance(value, type):
+        return f"class:{value.__module__}.{value.__qualname__}"
+    if inspect.ismethod(value):
+        return f"method:{fingerprint(value.__func__)}:{type(value.__self__).__qualname__}"
+    if inspect.isfunction(value):
+        return f"function:{value.__module__}.{value.__qualname__}:{_code_digest(value.__code__)}"
+    if inspect.isbuiltin(value):
+        return f"builtin:{getattr(value, '__module__', None)}.{value.__qualname__}"
+    if isinstance(value, (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)):
+        return f"const:{type(value).__name__}:{value!r}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}:{len(value)}"
+    if isinstance(value, dict):
+        return f"dict:{sorted(map(repr, value))}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor:{value.dtype}:{tuple(value.shape)}:{value.device.type}"
+    return f"object:{type(value).__module__}.{type(value).__qualname__}"
+
+
+@dataclass(frozen=True)
+class DroppedGuard:
+    """A guard kept out of torch's saved set, checked here by name and fingerprint."""
+
+    guard_type: str
+    name: str
+    fingerprint: str | None  # None: the guard only needs the name to resolve
+    per_call: bool  # rooted in an input other than the module itself
+
+
+_ROOT = re.compile(r"^(?:[A-Za-z_]\w*\()*(?:L\[['\"](\w+)['\"]\]|(G)\[|([A-Za-z_]\w*))")
+
+
+def _per_call(name: str, self_name: str | None) -> bool:
+    """Whether a guard name reads the call's inputs (not globals, not the module itself): such
+    guards are checked on every call, the rest once per process."""
+    m = _ROOT.match(name.strip())
+    if m is None:
+        return True
+    if m.group(2):
+        return False
+    return (m.group(1) or m.group(3)) != self_name
+
+
+class GuardRecorder:
+    """``guard_filter_fn`` for :func:`trace`: keeps what torch can save, records the rest."""
+
+    def __init__(self, self_name: str | None) -> None:
+        self.self_name = self_name
+        self.dropped: list[DroppedGuard] = []
+        self.kept = 0
+
+    @staticmethod
+    def _savable(entry: Any) -> bool:
+        if entry.is_global or entry.guard_type in _UNSERIALIZABLE:
+            return False
+        if any(t in _UNSERIALIZABLE for t in getattr(entry, "derived_guard_types", ()) or ()):
+            return False
+        # walks a class's MRO: the saved scope rebuilds modules as plain nn.Module (torch's
+        # GuardsStatePickler), where such a walk fails (BENCHMARKS.md, Dynamo-level caching)
+        if "__mro__" in entry.name:
+            return False
+        if entry.guard_type == "TYPE_MATCH" and entry.has_value:
+            t = entry.value if isinstance(entry.value, type) else type(entry.value)
+            if t.__qualname__ != t.__name__:  # a nested class: torch raises while saving it
+                return False
+        return True
+
+    def __call__(self, entries: Sequence[Any]) -> list[bool]:
+        keep = []
+        for e in entries:
+            ok = self._savable(e)
+            keep.append(ok)
+            if ok:
+                self.kept += 1
+                continue
+            fp = None
+            if e.has_value:
+                try:
+                    fp = fingerprint(e.value)
+                except Exception:  # noqa: BLE001 - an odd object: the name must still resolve
+                    fp = None
+            self.dropped.append(DroppedGuard(e.guard_type, e.name, fp, _per_call(e.name, self.self_name)))
+        return keep
+
+
+@contextlib.contextmanager
+def _plain_values_pickled() -> Iterator[None]:
+    """torch's guard-state pickler marks a module's plain attributes "missing" by ``id``: a model
+    holding ``self.dtype = torch.float16`` (every ComfyUI model) then has that dtype singleton
+    pickled as missing wherever it appears, and the saved state fails to load ("empty_strided():
+    argument 'dtype' must be torch.dtype, not _Missing", torch 2.14). Values that pickle by value
+    are exempted while saving."""
+    try:
+        from torch._dynamo.guards import GuardsStatePickler
+    except ImportError:
+        yield
+        return
+    original = GuardsStatePickler.reducer_override
+    plain = (torch.dtype, torch.device, torch.layout, torch.memory_format, str, int, float, bool, type(None))
+
+    def reducer_override(self: Any, obj: Any) -> Any:
+        missing = getattr(self, "missing_values", None)
+        if missing is not None and isinstance(obj, plain):
+            missing.pop(id(obj), None)
+        return original(self, obj)
+
+    GuardsStatePickler.reducer_override = reducer_override  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GuardsStatePickler.reducer_override = original  # type: ignore[method-assign]
+
+
+class _Globals(dict):
+    """A traced function's globals as its guard names read them: Dynamo also names the builtins
+    (``G['__builtins_dict___0']``) and imported modules (``G['__import_comfy_dot_ops']``) through
+    globals it installs while tracing, which a new process does not have."""
+
+    def __missing__(self, key: str) -> Any:
+        if key.startswith("__builtins_dict___"):
+            return builtins.__dict__
+        if key.startswith("__import_"):
+            return importlib.import_module(key[len("__import_"):].replace("_dot_", "."))
+        raise KeyError(key)
+
+
+# -- sources the trace inlined
+
+def _module_lines(module_name: str) -> list[str]:
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    return inspect.getsourcelines(module)[0]
+
+
+def _source_hashes(compiled: Any) -> list[tuple[str, int, int, str]]:
+    out = []
+    for s in compiled.source_info().inlined_sources:
+        out.append((s.module, s.firstlineno, s.lastlineno, s.checksum))
+    return sorted(out)
+
+
+def _stale_sources(sources: list[tuple[str, int, int, str]]) -> str | None:
+    for module, first, last, checksum in sources:
+        try:
+            text = "".join(_module_lines(module)[first - 1 : last - 1])
+        except (OSError, TypeError, ImportError) as e:
+            return f"source of {module} unavailable ({type(e).__name__})"
+        if hashlib.sha256(text.encode()).hexdigest() != checksum:
+            return f"{module} lines {first}-{last} changed since the trace"
+    return None
+
+
+# -- one artifact
+
+@dataclass
+class Artifact:
+    """One traced graph with its guards: call it through :meth:`check` first."""
+
+    compiled: Any  # torch's AOTCompiledFunction
+    dropped: list[DroppedGuard]
+    sources: list[tuple[str, int, int, str]]
+    namespace: dict[str, Any]  # what global guard names (G[...]) resolve in
+    path: Path | None = None
+    _once: str | None = None  # after the first check: "" (passed) or why not
+    _each: list[tuple[DroppedGuard, types.CodeType]] = field(default_factory=list)
+    _global: list[tuple[DroppedGuard, types.CodeType]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for d in self.dropped:
+            try:
+                code = compile(d.name, "<nexfort guard>", "eval")
+            except SyntaxError:
+                code = compile("___nexfort_unresolvable", "<nexfort guard>", "eval")
+            (self._each if d.per_call else self._global).append((d, code))
+
+    def _resolve(self, checks: list[tuple[DroppedGuard, types.CodeType]], f_locals: dict[str, Any]) -> str | None:
+        scope = {"G": self.namespace, "L": f_locals, **f_locals}
+        for d, code in checks:
+            try:
+                value = eval(code, {"__builtins__": builtins}, scope)  # noqa: S307 - torch's own guard names
+            except Exception as e:  # noqa: BLE001 - a name that no longer resolves
+                return f"{d.guard_type} {d.name}: {type(e).__name__}"
+            if d.fingerprint is not None and fingerprint(value) != d.fingerprint:
+                return f"{d.guard_type} {d.name}: {fingerprint(value)} != {d.fingerprint}"
+        return None
+
+    def check(self, args: tuple, kwargs: dict) -> str | None:
+        """``None`` if this artifact applies to the call ``(args, kwargs)`` (the module first),
+        else why not."""
+        f_locals = self.compiled.prepare_f_locals(*args, **kwargs)
+        if self._once is None:
+            self._once = self._resolve(self._global, f_locals) or ""
+        if self._once:
+            return self._once
+        if self._each and (why := self._resolve(self._each, f_locals)) is not None:
+            return why
+        manager = self.compiled._artifacts.guard_manager
+        if not manager.check(f_locals):
+            return str(manager.check_verbose(f_locals).verbose_code_parts)[:500]
+        return None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled.fn(*args, **kwargs)
+
+
+def trace(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    backend: Callable[..., Any],
+    self_name: str | None,
+) -> tuple[Any, GuardRecorder]:
+    """Trace ``fn(*args, **kwargs)`` into one graph compiled by ``backend`` (which must return
+    :func:`serializable` output). The caller enters its shape policy and marks dynamic sizes."""
+    from torch._dynamo.aot_compile import aot_compile_fullgraph
+    from torch._dynamo.hooks import Hooks
+
+    recorder = GuardRecorder(self_name)
+    # aot_compile_fullgraph cannot restart a trace, as turning a float input into a tensor does
+    with torch._dynamo.config.patch(specialize_float=True), _plain_values_pickled():
+        compiled = aot_compile_fullgraph(fn, (args, kwargs), Hooks(guard_filter_fn=recorder), backend)
+    return compiled, recorder
+
+
+def to_bytes(compiled: Any, recorder: GuardRecorder, external: dict[str, Any] | None = None) -> bytes:
+    """The file :func:`load` reads: torch's serialised function plus our dropped guards."""
+    with _plain_values_pickled():
+        data = type(compiled).serialize(compiled, external).serialized_data
+    envelope = {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "dropped": [vars(d) for d in recorder.dropped],
+        "sources": _source_hashes(compiled),
+        "compiled": data,
+    }
+    return pickle.dumps(envelope, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def from_bytes(
+    data: bytes,
+    root_globals: dict[str, Any],
+    inductor_config: dict[str, Any] | None = None,
+    external: dict[str, Any] | None = None,
+) -> Artifact:
+    """Load an artifact; :class:`StaleArtifact` if it does not apply to this process.
+    ``inductor_config``: the patches it was compiled with (CUDA graphs are decided at load)."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    try:
+        envelope = pickle.load(io.BytesIO(data))  # noqa: S301 - our own file, hashed by the cache manifest
+    except Exception as e:  # noqa: BLE001
+        raise StaleArtifact(f"unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(envelope, dict) or envelope.get("format") != FORMAT:
+        raise StaleArtifact("another file format")
+    if envelope.get("torch") != torch.__version__:
+        raise StaleArtifact(f"saved by torch {envelope.get('torch')}")
+    if (why := _stale_sources(envelope["sources"])) is not None:
+        raise StaleArtifact(why)
+    patch = torch._inductor.config.patch(inductor_config) if inductor_config else contextlib.nullcontext()
+    try:
+        with patch:
+            compiled = AOTCompiledFunction.deserialize(envelope["compiled"], root_globals, external)
+    except Exception as e:  # noqa: BLE001 - torch's loader: any failure means "trace again"
+        raise StaleArtifact(f"torch could not load it ({type(e).__name__}: {str(e)[:200]})") from e
+    namespace = _Globals(root_globals)
+    namespace.update(compiled.fn.__globals__)
+    dropped = [DroppedGuard(**d) for d in envelope["dropped"]]
+    return Artifact(compiled, dropped, envelope["sources"], namespace)
+
+
+def files(directory: Path) -> list[Path]:
+    """The artifacts saved under ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.glob("*.bin")), key=lambda p: int(p.stem) if p.stem.isdigit() else 0)
