@@ -7,6 +7,7 @@
 #   <name>_warm_ab.txt            one line per child
 # Usage (repository root, after scripts/device_run.sh set up ComfyUI in $NEXFORT_DEVICE_WORK):
 #   bash benchmarks/warm_start_ab.sh NAME 'BENCH ARGS' [ROUNDS]   e.g. flux "--model flux --compiler-config '{\"mode\": \"O3\"}'" 2
+# AB_MODES="on" runs only the "on" children (the default, e.g. with the precompiled graphs on).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${NEXFORT_DEVICE_WORK:-/tmp/nexfort_device}"
@@ -20,9 +21,9 @@ cache="$WORK/cache/ab_$name"
 mkdir -p "$OUT" "$cache"
 bench=("$PY" "$ROOT/benchmarks/text_to_image.py" --comfy-root "$WORK/ComfyUI" --compiler nexfort "${args[@]}"
        --fp32-reference never --cache-dir "$cache")
-"${bench[@]}" --repeat 1 --output-json "$OUT/${name}_cold.json" 2>&1 | grep -E "^RESULT|Error"
+"${bench[@]}" --repeat 1 --output-json "$OUT/${name}_cold.json" 2>&1 | grep -E "^RESULT|Error|precompiled"
 for i in $(seq 1 "$rounds"); do
-    for mode in on off; do
+    for mode in ${AB_MODES:-on off}; do
         flag=(); [ "$mode" = off ] && flag=(--no-prewarm)
         out="$OUT/${name}_warm_${i}_${mode}.json"
         "${bench[@]}" --warm-child --repeat 0 "${flag[@]}" --output-json "$out" > /dev/null 2>&1
