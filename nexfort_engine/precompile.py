@@ -17,8 +17,9 @@ recorder keeps the guarded name and a *fingerprint* of what it resolved to (:fun
 a module's name, a function's qualified name and bytecode hash, a class's qualified name, a
 constant's value). An artifact is used only while those names resolve to the same fingerprints:
 names rooted in the call's inputs other than the module (a patch function inside ComfyUI's
-``transformer_options``) are checked on every call, the others (globals, the module's own
-classes) once per process. The source of every function the trace inlined is hashed too
+``transformer_options``) are fingerprinted on every call; the others (globals, the module's own
+classes) in full once, then again whenever one of them resolves to another object
+(:class:`Artifact`). The source of every function the trace inlined is hashed too
 (torch's ``SourceInfo``), so an edited or upgraded host file makes the artifact stale. A stale or
 unreadable artifact is never an error: the caller traces again.
 
@@ -133,15 +134,24 @@ class DroppedGuard:
 _ROOT = re.compile(r"^(?:[A-Za-z_]\w*\()*(?:L\[['\"](\w+)['\"]\]|(G)\[|([A-Za-z_]\w*))")
 
 
+def _rooted_at(name: str, root: str | None) -> bool:
+    m = _ROOT.match(name.strip())
+    return m is not None and not m.group(2) and (m.group(1) or m.group(3)) == root
+
+
+#: dropped guards re-resolved by identity on every call (the rest once: the module's own classes,
+#: builtins, imported modules, and dict-content guards whose dict keeps its identity anyway)
+_IDENTITY = frozenset({"CLOSURE_MATCH", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "CONSTANT_MATCH",
+                       "EQUALS_MATCH", "TYPE_MATCH"})
+
+
 def _per_call(name: str, self_name: str | None) -> bool:
     """Whether a guard name reads the call's inputs (not globals, not the module itself): such
-    guards are checked on every call, the rest once per process."""
+    guards are fingerprinted on every call."""
     m = _ROOT.match(name.strip())
     if m is None:
         return True
-    if m.group(2):
-        return False
-    return (m.group(1) or m.group(3)) != self_name
+    return not m.group(2) and (m.group(1) or m.group(3)) != self_name
 
 
 class GuardRecorder:
@@ -256,27 +266,44 @@ def _stale_sources(sources: list[tuple[str, int, int, str]]) -> str | None:
 
 @dataclass
 class Artifact:
-    """One traced graph with its guards: call it through :meth:`check` first."""
+    """One traced graph with its guards: call it through :meth:`check` first.
+
+    The guards kept out of torch's set that do not read the call's inputs (globals, the module's
+    own classes) are resolved and fingerprinted in full when the artifact is first checked and
+    again whenever any of them resolves to another object: every call evaluates them all in one
+    expression of ``id``s (tens of microseconds), so a node that monkeypatches, say, ComfyUI's
+    attention function between two prompts is noticed as Dynamo's identity guards would notice
+    it."""
 
     compiled: Any  # torch's AOTCompiledFunction
     dropped: list[DroppedGuard]
     sources: list[tuple[str, int, int, str]]
     namespace: dict[str, Any]  # what global guard names (G[...]) resolve in
     path: Path | None = None
-    _once: str | None = None  # after the first check: "" (passed) or why not
+    self_name: str | None = None
     _each: list[tuple[DroppedGuard, types.CodeType]] = field(default_factory=list)
     _global: list[tuple[DroppedGuard, types.CodeType]] = field(default_factory=list)
+    _ids: types.CodeType | None = None
+    #: the global names' ids when last resolved in full, and why they failed then ("" = passed)
+    _seen: tuple[tuple[int, ...] | None, str] | None = None
 
     def __post_init__(self) -> None:
+        names = []
         for d in self.dropped:
             try:
                 code = compile(d.name, "<nexfort guard>", "eval")
             except SyntaxError:
                 code = compile("___nexfort_unresolvable", "<nexfort guard>", "eval")
+            else:
+                if not d.per_call and d.guard_type in _IDENTITY and not _rooted_at(d.name, self.self_name):
+                    names.append(d.name)
             (self._each if d.per_call else self._global).append((d, code))
+        self._ids = compile("(" + "".join(f"id({n})," for n in dict.fromkeys(names)) + ")", "<nexfort guards>", "eval")
 
-    def _resolve(self, checks: list[tuple[DroppedGuard, types.CodeType]], f_locals: dict[str, Any]) -> str | None:
-        scope = {"G": self.namespace, "L": f_locals, **f_locals}
+    def _scope(self, f_locals: dict[str, Any]) -> dict[str, Any]:
+        return {"G": self.namespace, "L": f_locals, **f_locals}
+
+    def _resolve(self, checks: list[tuple[DroppedGuard, types.CodeType]], scope: dict[str, Any]) -> str | None:
         for d, code in checks:
             try:
                 value = eval(code, {"__builtins__": builtins}, scope)  # noqa: S307 - torch's own guard names
@@ -286,15 +313,24 @@ class Artifact:
                 return f"{d.guard_type} {d.name}: {fingerprint(value)} != {d.fingerprint}"
         return None
 
+    def _global_ids(self, scope: dict[str, Any]) -> tuple[int, ...] | None:
+        assert self._ids is not None
+        try:
+            return eval(self._ids, {"__builtins__": builtins}, scope)  # noqa: S307
+        except Exception:  # noqa: BLE001 - some name does not resolve: _resolve says which
+            return None
+
     def check(self, args: tuple, kwargs: dict) -> str | None:
         """``None`` if this artifact applies to the call ``(args, kwargs)`` (the module first),
         else why not."""
         f_locals = self.compiled.prepare_f_locals(*args, **kwargs)
-        if self._once is None:
-            self._once = self._resolve(self._global, f_locals) or ""
-        if self._once:
-            return self._once
-        if self._each and (why := self._resolve(self._each, f_locals)) is not None:
+        scope = self._scope(f_locals)
+        ids = self._global_ids(scope)
+        if self._seen is None or ids is None or ids != self._seen[0]:
+            self._seen = (ids, self._resolve(self._global, scope) or "")
+        if self._seen[1]:
+            return self._seen[1]
+        if self._each and (why := self._resolve(self._each, scope)) is not None:
             return why
         manager = self.compiled._artifacts.guard_manager
         if not manager.check(f_locals):
@@ -332,6 +368,7 @@ def to_bytes(compiled: Any, recorder: GuardRecorder, external: dict[str, Any] | 
         "format": FORMAT,
         "torch": torch.__version__,
         "dropped": [vars(d) for d in recorder.dropped],
+        "self_name": recorder.self_name,
         "sources": _source_hashes(compiled),
         "compiled": data,
     }
@@ -367,7 +404,7 @@ def from_bytes(
     namespace = _Globals(root_globals)
     namespace.update(compiled.fn.__globals__)
     dropped = [DroppedGuard(**d) for d in envelope["dropped"]]
-    return Artifact(compiled, dropped, envelope["sources"], namespace)
+    return Artifact(compiled, dropped, envelope["sources"], namespace, self_name=envelope.get("self_name"))
 
 
 def files(directory: Path) -> list[Path]:
