@@ -391,8 +391,10 @@ class CompiledModule(torch.nn.Module):
             artifact.path = path
             self._nx_aot_artifacts.append(artifact)
             self._nx_aot_loaded += 1
+            counters.set_info(self._nx_label, precompiled_graphs=len(self._nx_aot_artifacts))
             why = artifact.check(args, kwargs)
             if why is None:
+                counters.bump(self._nx_label, "cache_hits")
                 return artifact, None
         return None, why
 
@@ -590,9 +592,8 @@ class CompiledModule(torch.nn.Module):
         """The first call ran a graph loaded from the cache: nothing was traced or compiled."""
         self._nx_aot_used = True
         label = self._nx_label  # ``seconds`` includes loading (``_nx_aot_load_s`` of them)
-        counters.bump(label, "cache_hits", self._nx_aot_loaded)
         counters.add_seconds(label, "compile", seconds)
-        counters.set_info(label, state="compiled", precompiled_graphs=self._nx_aot_loaded)
+        counters.set_info(label, state="compiled")
         log.info("nexfort: %s ran %d precompiled graph(s) from the cache in %.1fs, %.1fs of it loading (nothing "
                  "traced)", label, self._nx_aot_loaded, seconds, self._nx_aot_load_s)
         entry = self._nx_entry
@@ -610,7 +611,7 @@ class CompiledModule(torch.nn.Module):
 
     def _after_compile(self, new: int, seconds: float, hits: int, misses: int) -> None:
         label = self._nx_label
-        first = self._nx_graphs == new
+        first = self._nx_graphs == new and not self._nx_aot_used  # (a loaded graph ran first)
         counters.bump(label, "compiles", new)
         # a first call makes one graph, or one per region under regional compilation
         recompiles = max(0, new - (len(self._nx_regions) or 1)) if first else new
@@ -618,6 +619,8 @@ class CompiledModule(torch.nn.Module):
             counters.bump(label, "recompiles", recompiles)
             reason, self._nx_recompile_reason = self._nx_recompile_reason or _last_recompile_reason(), None
             counters.add_reason(label, "recompile", reason)
+        if self._nx_aot and not hits and not misses:
+            misses = new  # a precompiled graph is traced and compiled whole: Inductor's cache is bypassed
         counters.bump(label, "cache_hits", hits)
         counters.bump(label, "cache_misses", misses)
         counters.add_seconds(label, "compile", seconds)

@@ -59,6 +59,12 @@ class _Record:
     attention_fp8: int = 0
     #: conv weights converted to channels-last outside the graph so far (weight_layout.py)
     channels_last_weights: int = 0
+    #: ahead-of-time graphs (precompile.py): "on", "off" or "off: <why>"; graphs traced or loaded
+    #: in this process; the last saved graph found stale (and why); guards kept out of torch's set
+    precompiled: str = ""
+    precompiled_graphs: int = 0
+    precompiled_stale: str = ""
+    precompiled_guards_dropped: int = 0
     updated: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,6 +87,10 @@ class _Record:
             rope_fused=self.rope_fused,
             attention_fp8=self.attention_fp8,
             channels_last_weights=self.channels_last_weights,
+            precompiled=self.precompiled,
+            precompiled_graphs=self.precompiled_graphs,
+            precompiled_stale=self.precompiled_stale,
+            precompiled_guards_dropped=self.precompiled_guards_dropped,
             updated=self.updated,
         )
         return d

@@ -225,9 +225,20 @@ def _plain_values_pickled() -> Iterator[None]:
 
 
 class _Globals(dict):
-    """A traced function's globals as its guard names read them: Dynamo also names the builtins
-    (``G['__builtins_dict___0']``) and imported modules (``G['__import_comfy_dot_ops']``) through
-    globals it installs while tracing, which a new process does not have."""
+    """A traced function's globals as its guard names read them: the function's module dict itself
+    (live: a monkeypatch shows), then what the loaded function was given (torch's import aliases),
+    then the names Dynamo installs in the module while tracing, which a new process does not have:
+    the builtins (``G['__builtins_dict___0']``) and imported modules (``G['__import_comfy_dot_ops']``)."""
+
+    def __init__(self, live: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        super().__init__(extra or {})
+        self.live = live
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self.live[key]
+        except KeyError:
+            return super().__getitem__(key)
 
     def __missing__(self, key: str) -> Any:
         if key.startswith("__builtins_dict___"):
@@ -401,8 +412,7 @@ def from_bytes(
             compiled = AOTCompiledFunction.deserialize(envelope["compiled"], root_globals, external)
     except Exception as e:  # noqa: BLE001 - torch's loader: any failure means "trace again"
         raise StaleArtifact(f"torch could not load it ({type(e).__name__}: {str(e)[:200]})") from e
-    namespace = _Globals(root_globals)
-    namespace.update(compiled.fn.__globals__)
+    namespace = _Globals(root_globals, compiled.fn.__globals__)
     dropped = [DroppedGuard(**d) for d in envelope["dropped"]]
     return Artifact(compiled, dropped, envelope["sources"], namespace, self_name=envelope.get("self_name"))
 

@@ -1,0 +1,286 @@
+"""Ahead-of-time traced graphs (nexfort_engine/precompile.py): saved in the cache entry by the first
+compile, loaded by a restarted process instead of a Dynamo re-trace, and never used where they do
+not apply (another torch, edited sources, a monkeypatched global, other shapes).
+
+The unit tests need no compile. The process tests run real Inductor on CPU on a small plain torch
+module (one child script, a mode per test), so each child is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from nexfort_engine import precompile
+from nexfort_engine.cache import CacheStore, environment_fingerprint
+
+# -- units
+
+
+def helper_function(x):
+    return x + 1
+
+
+class Outer:
+    class Inner:
+        pass
+
+
+def test_fingerprints_name_what_a_guard_saw():
+    fp = precompile.fingerprint
+    assert fp(os) == "module:os"
+    assert fp(Outer.Inner) == f"class:{__name__}.Outer.Inner"
+    assert fp(helper_function).startswith(f"function:{__name__}.helper_function:")
+    assert fp(len) == "builtin:builtins.len"
+    assert fp(3) == "const:int:3" and fp("a") == "const:str:'a'" and fp(None) == "const:NoneType:None"
+    assert fp(torch.float16) == "const:dtype:torch.float16"
+
+    def other(x):
+        return x + 2
+
+    # same qualified name, other code: another fingerprint
+    other.__qualname__, other.__module__ = helper_function.__qualname__, helper_function.__module__
+    assert fp(other) != fp(helper_function)
+
+
+def test_guard_names_split_into_per_call_and_once():
+    per_call = precompile._per_call
+    assert not per_call("G['comfy'].ops", "self")
+    assert not per_call("type(self._modules['0'])", "self")
+    assert not per_call("dict(type(self).__mro__[2].__dict__)", "self")
+    assert not per_call("L['self']._modules", "self")
+    assert per_call("transformer_options['wrappers']['x'][0]", "self")
+    assert per_call("L['x'].size()", "self")
+    assert precompile._rooted_at("type(self._modules['0'])", "self")
+    assert not precompile._rooted_at("G['self']", "self")
+
+
+def test_globals_resolve_dynamos_installed_names():
+    live = {"a": 1}
+    ns = precompile._Globals(live, {"a": 0, "b": 2})
+    assert ns["a"] == 1 and ns["b"] == 2
+    live["a"] = 3  # the module's own dict, not a copy
+    assert ns["a"] == 3
+    assert ns["__builtins_dict___3"]["len"] is len
+    assert ns["__import_torch_dot_nn_dot_functional"] is torch.nn.functional
+    with pytest.raises(KeyError):
+        ns["missing"]
+
+
+def _entry(name, guard_type, value=None, is_global=False, derived=()):
+    return types.SimpleNamespace(name=name, guard_type=guard_type, has_value=value is not None, value=value,
+                                 is_global=is_global, derived_guard_types=derived)
+
+
+def test_recorder_keeps_what_torch_saves_and_fingerprints_the_rest():
+    rec = precompile.GuardRecorder("self")
+    keep = rec([
+        _entry("L['x']", "TENSOR_MATCH", torch.zeros(1)),
+        _entry("G['helper_function']", "CLOSURE_MATCH", helper_function, is_global=True),
+        _entry("self._modules['a']", "TYPE_MATCH", Outer.Inner()),  # a nested class: torch cannot save it
+        _entry("self._modules['b']", "TYPE_MATCH", Outer()),
+        _entry("dict(type(self).__mro__[1].__dict__)", "DICT_NOT_CONTAINS", {}),
+        _entry("transformer_options['patch']", "ID_MATCH", helper_function),
+    ])
+    assert keep == [True, False, False, True, False, False]
+    assert rec.kept == 2
+    dropped = {d.name: d for d in rec.dropped}
+    assert dropped["G['helper_function']"].fingerprint == precompile.fingerprint(helper_function)
+    assert not dropped["G['helper_function']"].per_call
+    assert dropped["transformer_options['patch']"].per_call
+    assert dropped["self._modules['a']"].fingerprint == f"object:{__name__}.Outer.Inner"  # its type
+
+
+def test_edited_sources_make_an_artifact_stale(tmp_path, monkeypatch):
+    mod = tmp_path / "nexfort_src_probe.py"
+    mod.write_text("def f(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hashlib
+    import importlib
+
+    importlib.import_module("nexfort_src_probe")
+    sources = [("nexfort_src_probe", 1, 3, hashlib.sha256(b"def f(x):\n    return x + 1\n").hexdigest())]
+    assert precompile._stale_sources(sources) is None
+    mod.write_text("def f(x):\n    return x + 2\n")
+    import linecache
+
+    linecache.checkcache(str(mod))
+    assert "changed since the trace" in precompile._stale_sources(sources)
+    sys.modules.pop("nexfort_src_probe", None)
+
+
+def test_foreign_files_are_stale_not_errors():
+    with pytest.raises(precompile.StaleArtifact, match="unreadable"):
+        precompile.from_bytes(b"not a pickle", {})
+    with pytest.raises(precompile.StaleArtifact, match="another file format"):
+        precompile.from_bytes(pickle.dumps({"format": precompile.FORMAT + 1}), {})
+    with pytest.raises(precompile.StaleArtifact, match="saved by torch 0.0"):
+        precompile.from_bytes(pickle.dumps({"format": precompile.FORMAT, "torch": "0.0"}), {})
+
+
+def test_files_are_listed_in_trace_order(tmp_path):
+    for n in (10, 2, 1):
+        (tmp_path / f"{n}.bin").write_bytes(b"")
+    (tmp_path / precompile.UNSUPPORTED).write_text("x")
+    assert [p.name for p in precompile.files(tmp_path)] == ["1.bin", "2.bin", "10.bin"]
+    assert precompile.files(tmp_path / "none") == []
+
+
+# -- real processes, real Inductor
+
+
+CHILD = textwrap.dedent('''
+    import json, sys
+    import torch
+    import nexfort_engine
+
+    def act(x):
+        return torch.nn.functional.silu(x)
+
+    def other_act(x):
+        return torch.tanh(x)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x, scale=None):
+            h = act(self.conv(x))
+            if BREAK:
+                torch._dynamo.graph_break()
+            t = self.proj(h.flatten(2).transpose(1, 2))
+            return t.transpose(1, 2).reshape(h.shape)
+
+    mode = sys.argv[2]
+    BREAK = mode == "break"
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)
+    net = Net().eval()
+    cm = nexfort_engine.compile(net, {"mode": "O1"}, cache_dir=sys.argv[1], label="net")
+    x = torch.randn(2, 4, 8, 8)
+    torch.testing.assert_close(cm(x), net(x), rtol=1e-4, atol=1e-4)
+    if mode == "patch":  # a node monkeypatching a function the graph inlined
+        act = other_act
+        torch.testing.assert_close(cm(x), net(x), rtol=1e-4, atol=1e-4)
+    if mode == "shapes":
+        for shape in [(2, 4, 8, 12), (1, 4, 8, 8)]:
+            y = torch.randn(*shape)
+            torch.testing.assert_close(cm(y), net(y), rtol=1e-4, atol=1e-4)
+    s = nexfort_engine.stats()
+    s["info"] = s["models"][cm.label]
+    s["entry"] = cm.cache_entry.key
+    s["artifacts"] = str(cm.cache_entry.artifacts)
+    print("STATS " + json.dumps(s, default=str))
+''')
+
+
+def _run(script: Path, cache: Path, mode: str, tmp_path: Path, **env: str) -> dict:
+    full = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"default-{mode}"), "NEXFORT_CACHE_DIR": "",
+            **env}
+    proc = subprocess.run([sys.executable, str(script), str(cache), mode], capture_output=True, text=True,
+                          env=full, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("STATS ")]
+    return json.loads(line[len("STATS "):])
+
+
+@pytest.fixture(scope="module")
+def child(tmp_path_factory):
+    p = tmp_path_factory.mktemp("precompile") / "child.py"
+    p.write_text(CHILD)
+    return p
+
+
+@pytest.fixture(scope="module")
+def warm_cache(child, tmp_path_factory):
+    """One cold process: its entry holds one saved graph."""
+    tmp = tmp_path_factory.mktemp("warm")
+    cache = tmp / "cache"
+    first = _run(child, cache, "plain", tmp)
+    return cache, first
+
+
+@pytest.mark.inductor
+def test_cold_process_saves_one_graph_and_runs_it(warm_cache):
+    _, first = warm_cache
+    assert first["compiles"] == 1 and first["cache_misses"] == 1 and first["fallbacks"] == 0
+    assert first["info"]["precompiled"] == "on" and first["info"]["precompiled_graphs"] == 1
+    assert [p.name for p in precompile.files(Path(first["artifacts"]) / precompile.DIRNAME)] == ["0.bin"]
+
+
+@pytest.mark.inductor
+def test_restarted_process_runs_the_saved_graph_without_tracing(child, warm_cache, tmp_path):
+    cache, first = warm_cache
+    second = _run(child, cache, "plain", tmp_path)
+    assert second["entry"] == first["entry"]
+    assert second["compiles"] == 0 and second["recompiles"] == 0 and second["fallbacks"] == 0, second
+    assert second["cache_hits"] == 1 and second["cache_misses"] == 0
+    assert second["corrupt_entries"] == 0
+    e = CacheStore(cache).entry(first["entry"])
+    with e.lock():
+        assert e.verify() == "hit"
+
+
+@pytest.mark.inductor
+def test_monkeypatched_global_is_noticed(child, warm_cache, tmp_path):
+    """The saved graph inlined ``act``; a process that swaps it after the first call gets a new
+    graph (counted as a recompile, with the guard named), and the right output."""
+    cache, _ = warm_cache
+    s = _run(child, cache, "patch", tmp_path)
+    assert s["cache_hits"] == 1 and s["compiles"] == 1 and s["recompiles"] == 1 and s["fallbacks"] == 0, s
+    assert "precompiled graph guards" in s["recompile_reasons"][0] and "act" in s["recompile_reasons"][0]
+
+
+@pytest.mark.inductor
+def test_other_shapes_trace_more_graphs_and_restart_uses_them(child, tmp_path):
+    cache = tmp_path / "cache"
+    cold = _run(child, cache, "shapes", tmp_path)
+    assert cold["fallbacks"] == 0
+    # (2,4,8,8) -> (2,4,8,12) shares the dynamic graph; batch 1 is specialised: one more graph
+    assert cold["compiles"] == 2 and cold["recompiles"] == 1, cold
+    warm = _run(child, cache, "shapes", tmp_path)
+    assert warm["compiles"] == 0 and warm["cache_hits"] == 2 and warm["fallbacks"] == 0, warm
+
+
+@pytest.mark.inductor
+def test_stale_graph_is_removed_and_traced_again(child, tmp_path):
+    cache = tmp_path / "cache"
+    first = _run(child, cache, "plain", tmp_path)
+    path = Path(first["artifacts"]) / precompile.DIRNAME / "0.bin"
+    envelope = pickle.loads(path.read_bytes())
+    envelope["torch"] = "0.0-other"
+    path.write_bytes(pickle.dumps(envelope))
+    entry = CacheStore(cache).entry(first["entry"])
+    with entry.lock():  # a consistent entry (the manifest matches): only the graph is stale
+        entry.commit(environment_fingerprint("cpu"))
+    again = _run(child, cache, "plain", tmp_path)
+    assert again["compiles"] == 1 and again["fallbacks"] == 0 and again["corrupt_entries"] == 0, again
+    assert "saved by torch 0.0-other" in again["info"]["precompiled_stale"]
+    assert pickle.loads(path.read_bytes())["torch"] == torch.__version__
+    with entry.lock():
+        assert entry.verify() == "hit"
+
+
+@pytest.mark.inductor
+def test_graph_break_and_opt_out_compile_through_torch_compile(child, tmp_path):
+    cache = tmp_path / "cache"
+    broken = _run(child, cache, "break", tmp_path)
+    assert broken["fallbacks"] == 0 and broken["info"]["precompiled"].startswith("off:"), broken
+    aot = Path(broken["artifacts"]) / precompile.DIRNAME
+    assert (aot / precompile.UNSUPPORTED).exists() and precompile.files(aot) == []
+    again = _run(child, cache, "break", tmp_path)  # not tried again
+    assert again["info"]["precompiled"] == "off" and again["fallbacks"] == 0
+    off = _run(child, tmp_path / "off", "plain", tmp_path, NEXFORT_PRECOMPILE="0")
+    assert off["info"]["precompiled"] == "off" and off["compiles"] == 1 and off["fallbacks"] == 0
+    assert not (Path(off["artifacts"]) / precompile.DIRNAME).exists()
