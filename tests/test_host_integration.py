@@ -123,6 +123,8 @@ def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
     assert prewarm["state"] == "done" and prewarm["listed"] > 0, prewarm
     assert prewarm["imported"] + prewarm["present"] + prewarm["failed"] == prewarm["listed"], prewarm
     assert warm["fallbacks"] == 0, warm["fallback_reasons"]
-    assert warm["compiles"] >= 1, warm
+    # models compiled whole load their saved graphs: nothing is traced (nexfort_engine/precompile.py)
+    loaded = [m for m in warm["models"].values() if m.get("precompiled") == "on"]
+    assert loaded and all(m["compiles"] == 0 and m["precompiled_graphs"] >= 1 for m in loaded), warm
     assert warm["cache_hits"] > 0, f"restart did not hit the persisted cache: {warm}"
     assert warm["cache_misses"] == 0, f"restart compiled cold again ({warm['cache_misses']} misses): {warm}"

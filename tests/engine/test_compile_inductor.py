@@ -33,7 +33,8 @@ def test_compiled_matches_eager_and_second_shape_does_not_recompile(zoo, nx_cach
     assert tm.rel_err(out0, ref0) <= FP32_TOL
     s = fresh_stats()
     rec = s["models"][cm.label]
-    assert rec["compiles"] >= 1 and rec["fallbacks"] == 0 and rec["state"] == "compiled"
+    # O2 and O3 share an entry on CPU: O3 may load O2's saved graph (nexfort_engine/precompile.py)
+    assert rec["compiles"] + rec["cache_hits"] >= 1 and rec["fallbacks"] == 0 and rec["state"] == "compiled"
     assert rec["cache_hits"] + rec["cache_misses"] >= 1
     compiles = rec["compiles"]
     # another resolution and prompt length: same graph
