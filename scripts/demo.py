@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         say(f"compile time (engine): {engine.get('compile_seconds', 0):.1f} s")
         say("engine counters: " + ", ".join(f"{k}={engine.get(k)}" for k in
                                             ("compiles", "recompiles", "cache_hits", "cache_misses", "fallbacks")))
+        for label, m in sorted((engine.get("models") or {}).items()):
+            if m.get("precompiled"):  # nexfort_engine/precompile.py: saved graphs loaded, not re-traced
+                say(f"  {label}: precompiled graphs {m['precompiled']}, {m.get('precompiled_graphs', 0)} in use"
+                    f" ({m.get('compiles', 0)} traced in this process)")
         for reason in engine.get("recompile_reasons", [])[:5]:
             say(f"  recompile: {reason}")
         for reason in engine.get("fallback_reasons", [])[:5]:
