@@ -284,3 +284,44 @@ def test_graph_break_and_opt_out_compile_through_torch_compile(child, tmp_path):
     off = _run(child, tmp_path / "off", "plain", tmp_path, NEXFORT_PRECOMPILE="0")
     assert off["info"]["precompiled"] == "off" and off["compiles"] == 1 and off["fallbacks"] == 0
     assert not (Path(off["artifacts"]) / precompile.DIRNAME).exists()
+
+
+@pytest.mark.inductor
+def test_comfyui_attention_patches_change_the_graph_not_the_output(comfy_inproc, fresh_stats, tmp_path):
+    """The tiny ComfyUI SD1.5 UNet, compiled whole (precompiled graphs), sampled through ComfyUI's
+    sampler: an attention replace patch in ``transformer_options`` and then another patch function
+    at the same position each get a graph of their own, and every output equals eager's."""
+    import tiny_models as tm
+
+    mp = tm.tiny_sd15(seed=21)
+    cm = nexfort_engine_compile(mp.model.diffusion_model, tmp_path)
+
+    def half_v(q, k, v, extra_options):
+        import comfy.ldm.modules.attention as attention
+
+        return attention.optimized_attention(q, k, v * 0.5, extra_options["n_heads"])
+
+    def double_v(q, k, v, extra_options):
+        import comfy.ldm.modules.attention as attention
+
+        return attention.optimized_attention(q, k, v * 2.0, extra_options["n_heads"])
+
+    models = [mp]
+    for patch in (half_v, double_v):
+        patched = mp.clone()
+        patched.set_model_attn2_replace(patch, "input", 1, 0)
+        models.append(patched)
+    for m in models + [mp]:  # back to the unpatched model: its graph is reused
+        ref = tm.sample(m, 64, 96, 1, 2, 5.0, 77)
+        out = tm.sample(tm.with_diffusion_model(m, cm), 64, 96, 1, 2, 5.0, 77)
+        assert tm.rel_err(out, ref) <= 1e-3
+    rec = fresh_stats()["models"][cm.label]
+    assert rec["precompiled"] == "on" and rec["fallbacks"] == 0, rec
+    assert rec["compiles"] == 3 and rec["recompiles"] == 2 and rec["precompiled_graphs"] == 3, rec
+    assert all("precompiled graph guards" in r for r in rec["recompile_reasons"]), rec["recompile_reasons"]
+
+
+def nexfort_engine_compile(module, cache_dir):
+    import nexfort_engine
+
+    return nexfort_engine.compile(module, {"mode": "O2"}, cache_dir=cache_dir, label="unet-patches")
