@@ -561,7 +561,7 @@ class CompiledModule(torch.nn.Module):
             self._refresh_conv_weights()
         t0 = time.perf_counter()
         with self._scope():
-            if graphs0 == 0:
+            if graphs0 == 0 and not self._nx_aot_used:
                 counters.set_info(self._nx_label, state="compiling")
             if self._nx_cudagraphs:
                 # each call is a new inference step: its outputs are consumed before the next call

@@ -102,7 +102,8 @@ def test_api_workflow_produces_image(comfy, workflow_assets, workflow):
     if before is not None:
         after = _engine(comfy)
         assert after["fallbacks"] == before["fallbacks"], f"compiled path fell back: {after['fallback_reasons']}"
-        assert after["compiles"] > 0, f"nothing was compiled: {after}"
+        # traced here, or loaded from a graph an earlier test saved (nexfort_engine/precompile.py)
+        assert after["compiles"] + after["cache_hits"] > 0, f"nothing was compiled or loaded: {after}"
 
 
 def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
