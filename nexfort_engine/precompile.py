@@ -97,19 +97,26 @@ def _code_digest(code: types.CodeType) -> str:
     return h.hexdigest()[:16]
 
 
+def _module(name: str | None) -> str:
+    """A module's name without an install path: ComfyUI imports a custom node package under its
+    file path (``/home/u/ComfyUI/custom_nodes/pack.nodes``), so two installs sharing one cache
+    name the same code differently."""
+    return str(name).replace("\\", "/").rsplit("/", 1)[-1]
+
+
 def fingerprint(value: Any) -> str:
     """What a guarded name resolves to, as a string that is equal in another process exactly when
     it is the same module, function (qualified name and bytecode), class, builtin or constant."""
     if inspect.ismodule(value):
-        return f"module:{value.__name__}"
+        return f"module:{_module(value.__name__)}"
     if isinstance(value, type):
-        return f"class:{value.__module__}.{value.__qualname__}"
+        return f"class:{_module(value.__module__)}.{value.__qualname__}"
     if inspect.ismethod(value):
         return f"method:{fingerprint(value.__func__)}:{type(value.__self__).__qualname__}"
     if inspect.isfunction(value):
-        return f"function:{value.__module__}.{value.__qualname__}:{_code_digest(value.__code__)}"
+        return f"function:{_module(value.__module__)}.{value.__qualname__}:{_code_digest(value.__code__)}"
     if inspect.isbuiltin(value):
-        return f"builtin:{getattr(value, '__module__', None)}.{value.__qualname__}"
+        return f"builtin:{_module(getattr(value, '__module__', None))}.{value.__qualname__}"
     if isinstance(value, (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)):
         return f"const:{type(value).__name__}:{value!r}"
     if isinstance(value, (tuple, list)):
@@ -118,7 +125,7 @@ def fingerprint(value: Any) -> str:
         return f"dict:{sorted(map(repr, value))}"
     if isinstance(value, torch.Tensor):
         return f"tensor:{value.dtype}:{tuple(value.shape)}:{value.device.type}"
-    return f"object:{type(value).__module__}.{type(value).__qualname__}"
+    return f"object:{_module(type(value).__module__)}.{type(value).__qualname__}"
 
 
 @dataclass(frozen=True)
@@ -244,7 +251,8 @@ class _Globals(dict):
         if key.startswith("__builtins_dict___"):
             return builtins.__dict__
         if key.startswith("__import_"):
-            return importlib.import_module(key[len("__import_"):].replace("_dot_", "."))
+            name = key[len("__import_"):].replace("_dot_", ".")
+            return sys.modules.get(name) or importlib.import_module(name)
         raise KeyError(key)
 
 

@@ -47,6 +47,10 @@ def test_fingerprints_name_what_a_guard_saw():
     def other(x):
         return x + 2
 
+    # an install path in a module name (ComfyUI's custom nodes) is not part of it
+    moved = types.FunctionType(helper_function.__code__, {}, "helper_function")
+    moved.__qualname__, moved.__module__ = helper_function.__qualname__, f"/srv/ComfyUI/custom_nodes/{__name__}"
+    assert fp(moved) == fp(helper_function)
     # same qualified name, other code: another fingerprint
     other.__qualname__, other.__module__ = helper_function.__qualname__, helper_function.__module__
     assert fp(other) != fp(helper_function)

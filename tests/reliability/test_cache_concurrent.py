@@ -77,7 +77,8 @@ def test_two_processes_compile_same_model_at_once(two_servers, race_cache):
     stats = [engine(s) for s in (a, b)]
     for s, st in zip((a, b), stats, strict=True):
         assert st["fallbacks"] == 0, (s.url, st["fallback_reasons"])
-        assert st["compiles"] >= 1, (s.url, st)
+        # one traced and saved the graph; the other waited on the lock and loaded it
+        assert st["compiles"] + st["cache_hits"] >= 1, (s.url, st)
     label_a, rec_a = one_record(a, "2")
     label_b, rec_b = one_record(b, "2")
     assert rec_a["cache_key"] == rec_b["cache_key"], "same model and options must map to one entry"
