@@ -476,7 +476,6 @@ class CompiledModule(torch.nn.Module):
         counters.set_info(self._nx_label, precompiled=f"off: {reason}")
         log.warning("nexfort: %s: no precompiled graph (%s); compiling through torch.compile", self._nx_label, reason)
         with contextlib.suppress(OSError):
-            (self._aot_dir() / precompile.UNSUPPORTED).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self._aot_dir() / precompile.UNSUPPORTED, reason.encode())
 
     def _torch_compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import hashlib
 import importlib
 import inspect
@@ -90,6 +91,7 @@ def serializable(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
 # -- fingerprints of what a dropped guard guarded
 
+@functools.lru_cache(maxsize=4096)  # per-call fingerprints of patch functions: hash each code once
 def _code_digest(code: types.CodeType) -> str:
     h = hashlib.sha256(code.co_code)
     for c in code.co_consts:
@@ -141,9 +143,16 @@ class DroppedGuard:
 _ROOT = re.compile(r"^(?:[A-Za-z_]\w*\()*(?:L\[['\"](\w+)['\"]\]|(G)\[|([A-Za-z_]\w*))")
 
 
-def _rooted_at(name: str, root: str | None) -> bool:
+def _root(name: str) -> str | None:
+    """The local a guard name starts from, ``"G"`` for a global, ``None`` if it does not parse."""
     m = _ROOT.match(name.strip())
-    return m is not None and not m.group(2) and (m.group(1) or m.group(3)) == root
+    if m is None:
+        return None
+    return "G" if m.group(2) else (m.group(1) or m.group(3))
+
+
+def _rooted_at(name: str, root: str | None) -> bool:
+    return _root(name) == root != "G"
 
 
 #: dropped guards re-resolved by identity on every call (the rest once: the module's own classes,
@@ -155,10 +164,8 @@ _IDENTITY = frozenset({"CLOSURE_MATCH", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MAT
 def _per_call(name: str, self_name: str | None) -> bool:
     """Whether a guard name reads the call's inputs (not globals, not the module itself): such
     guards are fingerprinted on every call."""
-    m = _ROOT.match(name.strip())
-    if m is None:
-        return True
-    return not m.group(2) and (m.group(1) or m.group(3)) != self_name
+    root = _root(name)
+    return root is None or root not in ("G", self_name)
 
 
 class GuardRecorder:
