@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import counters, precompile, prewarm, regions, shapes
+from . import collector, counters, precompile, prewarm, regions, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR, atomic_write_bytes
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
@@ -526,6 +526,7 @@ class CompiledModule(torch.nn.Module):
                     from .fp8_attention import plan_cache
 
                     stack.enter_context(plan_cache(self._nx_entry.artifacts / "cudnn"))
+            stack.enter_context(collector.compiling())  # a call may (re)compile: fewer GC passes
             stack.enter_context(shapes.shape_policy(self._nx_config.dynamic, self._nx_config.size_oblivious))
             stack.enter_context(runtime_overrides(self._nx_settings.runtime))
             if self._nx_settings.fp8 and not self._nx_regions:

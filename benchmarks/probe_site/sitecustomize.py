@@ -1,0 +1,113 @@
+"""Measurement probe, loaded by putting this folder on PYTHONPATH (not part of the engine).
+
+At exit it appends one JSON line to ``$NX_PROBE_OUT`` (stderr if unset) with:
+- ``gc``: collections and seconds per generation (``gc.callbacks``), the longest pause, and the
+  live object count at exit: does the garbage collector explain a slow compile?
+- ``autotune``: every Inductor Triton kernel that benchmarked its configs in this process
+  (``CachingAutotuner.benchmark_all_configs``): kernel name, number of configs, seconds, and the
+  autotune-cache state Inductor recorded for it, with whether its ``.best_config`` file exists: why
+  does a warm start benchmark kernels?
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+
+_gc = {"n": [0, 0, 0], "s": [0.0, 0.0, 0.0], "max": 0.0, "t0": 0.0}
+_tuned: list[dict] = []
+_T0 = time.perf_counter()
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc["t0"] = time.perf_counter()
+        return
+    dt = time.perf_counter() - _gc["t0"]
+    g = info["generation"]
+    _gc["n"][g] += 1
+    _gc["s"][g] += dt
+    _gc["max"] = max(_gc["max"], dt)
+
+
+gc.callbacks.append(_on_gc)
+
+
+def _patch_heuristics(mod) -> None:
+    cls = mod.CachingAutotuner
+    original = cls.benchmark_all_configs
+
+    def benchmark_all_configs(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            info = dict(getattr(self, "autotune_cache_info", None) or {})
+            rec = {"kernel": getattr(getattr(self, "fn", None), "__name__", "?"),
+                   "configs": len(getattr(self, "launchers", []) or getattr(self, "configs", []) or []),
+                   "s": round(time.perf_counter() - t0, 3), "at_s": round(t0 - _T0, 2),
+                   "cache": {k: str(v)[:120] for k, v in info.items()},
+                   "filename": getattr(self, "filename", None),
+                   "coordesc": bool((getattr(self, "inductor_meta", None) or {}).get("coordinate_descent_tuning")),
+                   "local_cache": (getattr(self, "inductor_meta", None) or {}).get("autotune_local_cache")}
+            ac = getattr(self, "autotune_cache", None)
+            lc = getattr(ac, "local_cache", None) if ac is not None else None
+            if lc:
+                rec["best_config_file"] = lc[1]
+                rec["best_config_exists"] = os.path.exists(lc[1])
+            _tuned.append(rec)
+
+    cls.benchmark_all_configs = benchmark_all_configs
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    TARGET = "torch._inductor.runtime.triton_heuristics"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            _patch_heuristics(module)
+
+        loader.exec_module = patched
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())
+
+
+def _maxrss_mib() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
+def _report() -> None:
+    rec = {"label": os.environ.get("NX_PROBE_LABEL", ""), "argv": sys.argv[:1], "pid": os.getpid(), "wall_s": round(time.perf_counter() - _T0, 2),
+           "gc_collections": _gc["n"], "gc_s": [round(x, 2) for x in _gc["s"]],
+           "gc_max_s": round(_gc["max"], 3), "objects_at_exit": len(gc.get_objects()),
+           "gc_frozen": gc.get_freeze_count(), "maxrss_mib": _maxrss_mib(), "autotune": _tuned}
+    out = os.environ.get("NX_PROBE_OUT")
+    line = json.dumps(rec)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+    else:
+        print("NX_PROBE " + line, file=sys.stderr)
+
+
+atexit.register(_report)
