@@ -3,6 +3,7 @@
 At exit it appends one JSON line to ``$NX_PROBE_OUT`` (stderr if unset) with:
 - ``gc``: collections and seconds per generation (``gc.callbacks``), the longest pause, and the
   live object count at exit: does the garbage collector explain a slow compile?
+- ``cudnn_benchmark_forced_off``: ``NX_PROBE_NO_CUDNN_BENCHMARK=1`` was set (see below).
 - ``autotune``: every Inductor Triton kernel that benchmarked its configs in this process
   (``CachingAutotuner.benchmark_all_configs``): kernel name, number of configs, seconds, and the
   autotune-cache state Inductor recorded for it, with whether its ``.best_config`` file exists: why
@@ -89,6 +90,52 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _Finder())
 
+_samples = {"n": 0, "incl": {}, "leaf": {}}
+
+
+def _sampler(main_id: int, interval: float) -> None:
+    """``NX_PROBE_SAMPLE=<ms>``: where the main thread is, every few milliseconds (a poor man's
+    py-spy: counts per function, inclusive of callees and as the innermost frame)."""
+    import threading
+
+    incl, leaf = _samples["incl"], _samples["leaf"]
+    while True:
+        time.sleep(interval)
+        frame = sys._current_frames().get(main_id)
+        if frame is None:
+            if not threading.main_thread().is_alive():
+                return
+            continue
+        _samples["n"] += 1
+        seen = set()
+        first = True
+        while frame is not None:
+            code = frame.f_code
+            key = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+            if first:
+                leaf[key] = leaf.get(key, 0) + 1
+                first = False
+            if key not in seen:
+                seen.add(key)
+                incl[key] = incl.get(key, 0) + 1
+            frame = frame.f_back
+
+
+if os.environ.get("NX_PROBE_NO_CUDNN_BENCHMARK") == "1":
+    # what a warm start costs without cuDNN's per-shape algorithm search: setting
+    # torch.backends.cudnn.benchmark (the engine's "benchmark" flag does, per compiled call) is ignored
+    import torch.backends.cudnn as _cudnn
+    from torch.backends import ContextProp as _ContextProp
+
+    type(_cudnn).benchmark = _ContextProp(_cudnn.torch._C._get_cudnn_benchmark,
+                                          lambda _v: _cudnn.torch._C._set_cudnn_benchmark(False))
+
+if os.environ.get("NX_PROBE_SAMPLE"):
+    import threading as _threading
+
+    _threading.Thread(target=_sampler, args=(_threading.get_ident(), float(os.environ["NX_PROBE_SAMPLE"]) / 1000),
+                      name="nx-probe-sampler", daemon=True).start()
+
 
 def _maxrss_mib() -> int:
     import resource
@@ -100,7 +147,12 @@ def _report() -> None:
     rec = {"label": os.environ.get("NX_PROBE_LABEL", ""), "argv": sys.argv[:1], "pid": os.getpid(), "wall_s": round(time.perf_counter() - _T0, 2),
            "gc_collections": _gc["n"], "gc_s": [round(x, 2) for x in _gc["s"]],
            "gc_max_s": round(_gc["max"], 3), "objects_at_exit": len(gc.get_objects()),
-           "gc_frozen": gc.get_freeze_count(), "maxrss_mib": _maxrss_mib(), "autotune": _tuned}
+           "gc_frozen": gc.get_freeze_count(), "maxrss_mib": _maxrss_mib(), "autotune": _tuned,
+           "cudnn_benchmark_forced_off": os.environ.get("NX_PROBE_NO_CUDNN_BENCHMARK") == "1"}
+    if _samples["n"]:
+        top = sorted(_samples["incl"].items(), key=lambda kv: -kv[1])[:300]
+        rec["samples"] = {"n": _samples["n"], "incl": dict(top),
+                          "leaf": dict(sorted(_samples["leaf"].items(), key=lambda kv: -kv[1])[:150])}
     out = os.environ.get("NX_PROBE_OUT")
     line = json.dumps(rec)
     if out:
