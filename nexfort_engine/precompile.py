@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -210,13 +211,33 @@ class GuardRecorder:
         return keep
 
 
+def source_reduction(obj: Any) -> tuple[type, tuple] | None:
+    """How to pickle a guard source (``torch._guards.Source``) whose dataclass has fields computed
+    in ``__post_init__`` (``init=False``): by its constructor's fields only. torch 2.11's
+    ``Source.__reduce__`` passes every field to the constructor, so such a source saves but
+    cannot be loaded (``DefaultsSource.__init__() takes from 3 to 4 positional arguments but 6
+    were given``: a guard on a function's default argument, as in a model compiled whole without
+    the spatial fold). ``None``: pickle it as torch does."""
+    from torch._guards import Source
+
+    if not isinstance(obj, Source) or not dataclasses.is_dataclass(obj):
+        return None
+    fields = dataclasses.fields(obj)
+    if all(f.init for f in fields):
+        return None
+    return type(obj), tuple(getattr(obj, f.name) for f in fields if f.init)
+
+
 @contextlib.contextmanager
 def _plain_values_pickled() -> Iterator[None]:
-    """torch's guard-state pickler marks a module's plain attributes "missing" by ``id``: a model
-    holding ``self.dtype = torch.float16`` (every ComfyUI model) then has that dtype singleton
-    pickled as missing wherever it appears, and the saved state fails to load ("empty_strided():
-    argument 'dtype' must be torch.dtype, not _Missing", torch 2.14). Values that pickle by value
-    are exempted while saving."""
+    """Two mends to torch's guard-state pickler while saving.
+
+    It marks a module's plain attributes "missing" by ``id``: a model holding
+    ``self.dtype = torch.float16`` (every ComfyUI model) then has that dtype singleton pickled as
+    missing wherever it appears, and the saved state fails to load ("empty_strided(): argument
+    'dtype' must be torch.dtype, not _Missing", torch 2.14). Values that pickle by value are
+    exempted. And guard sources with computed fields are pickled so that they load
+    (:func:`source_reduction`, torch 2.11)."""
     try:
         from torch._dynamo.guards import GuardsStatePickler
     except ImportError:
@@ -229,6 +250,8 @@ def _plain_values_pickled() -> Iterator[None]:
         missing = getattr(self, "missing_values", None)
         if missing is not None and isinstance(obj, plain):
             missing.pop(id(obj), None)
+        if (reduced := source_reduction(obj)) is not None:
+            return reduced
         return original(self, obj)
 
     GuardsStatePickler.reducer_override = reducer_override  # type: ignore[method-assign]

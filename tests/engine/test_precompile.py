@@ -8,6 +8,7 @@ module (one child script, a mode per test), so each child is cheap.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -102,6 +103,22 @@ def test_recorder_keeps_what_torch_saves_and_fingerprints_the_rest():
     assert not dropped["G['helper_function']"].per_call
     assert dropped["transformer_options['patch']"].per_call
     assert dropped["self._modules['a']"].fingerprint == f"object:{__name__}.Outer.Inner"  # its type
+
+
+def test_guard_sources_with_computed_fields_pickle_so_they_load():
+    from torch._dynamo.source import DefaultsSource, LocalSource
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            return precompile.source_reduction(obj) or NotImplemented
+
+    for source in (DefaultsSource(LocalSource("fn"), 2), DefaultsSource(LocalSource("fn"), "scale", is_kw=True)):
+        buf = io.BytesIO()
+        Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(source)
+        loaded = pickle.loads(buf.getvalue())
+        assert loaded == source and loaded.name == source.name
+    assert precompile.source_reduction(LocalSource("x")) is None  # no computed fields: torch's own way
+    assert precompile.source_reduction(3) is None
 
 
 def test_edited_sources_make_an_artifact_stale(tmp_path, monkeypatch):
