@@ -1,0 +1,92 @@
+"""A VAE decode through nexfort, by memory format (GPU; a measurement, not part of the engine).
+
+ComfyUI's SDXL-family ``AutoencoderKL`` (random weights, bf16) decodes a 1024² latent, eager and
+compiled by the engine as the *Nexfort Compile VAE* node compiles it (``first_stage_model.decode``,
+O2 unless ``--mode``), once per ``memory_format``. Each compiled run is a new process on its own
+cache directory (the cold compile), followed by a second process on that cache (the warm start).
+Reports per run: the first decode (compile or load included), the median decode after it, and the
+max abs difference from eager's output in the same process.
+
+    python3 benchmarks/vae_decode.py --comfy-root /path/to/ComfyUI --cache-root /tmp/vae_cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DDCONFIG = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+            "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+
+
+def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
+    sys.path[:0] = [args.comfy_root, str(ROOT)]
+    import torch
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    import nexfort_engine
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(ddconfig=dict(DDCONFIG), embed_dim=4).eval().to("cuda", torch.bfloat16)
+    z = torch.randn(1, 4, args.size // 8, args.size // 8, device="cuda", dtype=torch.bfloat16)
+
+    def timed(fn) -> tuple[float, list[float], torch.Tensor]:
+        times, out = [], None
+        for _ in range(args.repeat + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(z)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return times[0], times[1:], out
+
+    with torch.inference_mode():
+        eager_first, eager_times, ref = timed(vae.decode)
+        rec = {"memory_format": fmt, "eager_ms": round(statistics.median(eager_times) * 1000, 2)}
+        if fmt != "eager":
+            cm = nexfort_engine.compile(vae, {"mode": args.mode, "memory_format": fmt}, cache_dir=cache, method="decode")
+            first, times, out = timed(cm)
+            stats = nexfort_engine.stats()
+            rec.update(first_s=round(first, 2), compiled_ms=round(statistics.median(times) * 1000, 2),
+                       max_abs_vs_eager=float((out.float() - ref.float()).abs().max()),
+                       compiles=stats["compiles"], cache_hits=stats["cache_hits"], fallbacks=stats["fallbacks"])
+    rec.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode, size=args.size)
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--comfy-root", required=True)
+    ap.add_argument("--cache-root", required=True)
+    ap.add_argument("--mode", default="O2")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--formats", default="contiguous,channels_last")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args, args.child, args.cache)))
+        return 0
+    for fmt in args.formats.split(","):
+        cache = str(Path(args.cache_root) / fmt)
+        for run in ("cold", "warm"):
+            out = subprocess.run([sys.executable, __file__, "--comfy-root", args.comfy_root, "--cache-root",
+                                  args.cache_root, "--mode", args.mode, "--size", str(args.size), "--repeat",
+                                  str(args.repeat), "--child", fmt, "--cache", cache],
+                                 capture_output=True, text=True, check=False)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+            rec = json.loads(lines[-1]) if lines else {"memory_format": fmt, "error": out.stderr[-800:]}
+            rec["run"] = run
+            print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
