@@ -4,8 +4,9 @@ The engine's ``benchmark`` flag turns on ``torch.backends.cudnn.benchmark`` per 
 cuDNN then times every algorithm for each new convolution shape at its first call, in every new
 process. For the UNets it did not change the speed (BENCHMARKS.md, SD2.1 static and SDXL dynamic)
 but cost SDXL's warm start about 0.9 s. A VAE is almost all convolutions, so it is measured here:
-ComfyUI's own SDXL-family ``AutoencoderKL`` (random weights, bf16) decodes a 1024² latent; each
-mode runs in a new process (the search results live in the process) and reports the first decode
+ComfyUI's own SDXL-family ``AutoencoderKL`` (``vae_decode.sdxl_vae``: the bench's random weights,
+bf16; run136 ran before the weights were initialised: its times stand, its values were never
+read) decodes a 1024² latent; each mode runs in a new process (the search results live in the process) and reports the first decode
 (which includes the search) and the median of the next ones. Inductor lowers convolutions to the
 same cuDNN calls, so eager decode speed stands for the compiled one here.
 
@@ -20,19 +21,17 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-DDCONFIG = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
-            "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.vae_decode import sdxl_vae  # noqa: E402 - the repository root first
 
 
 def child(comfy_root: str, benchmark: bool, layout: str, size: int, repeat: int) -> dict:
-    sys.path.insert(0, comfy_root)
+    vae = sdxl_vae(comfy_root)
     import torch
-    from comfy.ldm.models.autoencoder import AutoencoderKL
 
     torch.backends.cudnn.benchmark = benchmark
-    torch.manual_seed(0)
-    vae = AutoencoderKL(ddconfig=dict(DDCONFIG), embed_dim=4).eval().to("cuda", torch.bfloat16)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     vae = vae.to(memory_format=fmt)
     z = torch.randn(1, 4, size // 8, size // 8, device="cuda", dtype=torch.bfloat16).to(memory_format=fmt)

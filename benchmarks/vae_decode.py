@@ -19,23 +19,32 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DDCONFIG = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
             "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
 
 
-def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
-    sys.path[:0] = [args.comfy_root, str(ROOT)]
+def sdxl_vae(comfy_root: str) -> Any:
+    """ComfyUI's SDXL-family ``AutoencoderKL`` on the GPU in bf16, with the bench's random weights
+    (ComfyUI's layers skip weight init: uninitialised memory decodes to NaN)."""
+    sys.path[:0] = [comfy_root, str(ROOT)]
     import torch
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
-    import nexfort_engine
     from benchmarks.models import init_weights
 
     torch.manual_seed(0)
-    # ComfyUI's layers skip weight init (uninitialised memory decodes to NaN): the bench's init
-    vae = init_weights(AutoencoderKL(ddconfig=dict(DDCONFIG), embed_dim=4).eval()).to("cuda", torch.bfloat16)
+    return init_weights(AutoencoderKL(ddconfig=dict(DDCONFIG), embed_dim=4).eval()).to("cuda", torch.bfloat16)
+
+
+def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
+    vae = sdxl_vae(args.comfy_root)
+    import torch
+
+    import nexfort_engine
+
     z = torch.randn(1, 4, args.size // 8, args.size // 8, device="cuda", dtype=torch.bfloat16)
 
     def timed(fn) -> tuple[float, list[float], torch.Tensor]:

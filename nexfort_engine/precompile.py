@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch._guards import Source
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +219,6 @@ def source_reduction(obj: Any) -> tuple[type, tuple] | None:
     cannot be loaded (``DefaultsSource.__init__() takes from 3 to 4 positional arguments but 6
     were given``: a guard on a function's default argument, as in a model compiled whole without
     the spatial fold). ``None``: pickle it as torch does."""
-    from torch._guards import Source
-
     if not isinstance(obj, Source) or not dataclasses.is_dataclass(obj):
         return None
     fields = dataclasses.fields(obj)
@@ -229,7 +228,7 @@ def source_reduction(obj: Any) -> tuple[type, tuple] | None:
 
 
 @contextlib.contextmanager
-def _plain_values_pickled() -> Iterator[None]:
+def _guard_state_pickling() -> Iterator[None]:
     """Two mends to torch's guard-state pickler while saving.
 
     It marks a module's plain attributes "missing" by ``id``: a model holding
@@ -404,14 +403,14 @@ def trace(
 
     recorder = GuardRecorder(self_name)
     # aot_compile_fullgraph cannot restart a trace, as turning a float input into a tensor does
-    with torch._dynamo.config.patch(specialize_float=True), _plain_values_pickled():
+    with torch._dynamo.config.patch(specialize_float=True), _guard_state_pickling():
         compiled = aot_compile_fullgraph(fn, (args, kwargs), Hooks(guard_filter_fn=recorder), backend)
     return compiled, recorder
 
 
 def to_bytes(compiled: Any, recorder: GuardRecorder, external: dict[str, Any] | None = None) -> bytes:
     """The file :func:`load` reads: torch's serialised function plus our dropped guards."""
-    with _plain_values_pickled():
+    with _guard_state_pickling():
         data = type(compiled).serialize(compiled, external).serialized_data
     envelope = {
         "format": FORMAT,
