@@ -4,8 +4,10 @@ ComfyUI's SDXL-family ``AutoencoderKL`` (random weights, bf16) decodes a 1024² 
 compiled by the engine as the *Nexfort Compile VAE* node compiles it (``first_stage_model.decode``,
 O2 unless ``--mode``), once per ``memory_format``. Each compiled run is a new process on its own
 cache directory (the cold compile), followed by a second process on that cache (the warm start).
-Reports per run: the first decode (compile or load included), the median decode after it, and the
-max abs difference from eager's output in the same process.
+Reports per run: the first decode (compile or load included), the median decode after it, the
+max abs difference from eager's output in the same process, and (unless ``--no-fp32-reference``)
+eager's and the compiled decode's relative L2 error against a float32 decode with the same
+weights, and their ratio (lossless: at most 1.5).
 
     python3 benchmarks/vae_decode.py --comfy-root /path/to/ComfyUI --cache-root /tmp/vae_cache
 """
@@ -13,6 +15,7 @@ max abs difference from eager's output in the same process.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -57,9 +60,20 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
             times.append(time.perf_counter() - t0)
         return times[0], times[1:], out
 
+    def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b).norm() / b.norm())
+
     with torch.inference_mode():
+        ref32 = None
+        if args.fp32_reference:  # same weights upcast, decoded in float32, freed before timing
+            twin = copy.deepcopy(vae).float()
+            ref32 = twin.decode(z.float()).float()
+            del twin
+            torch.cuda.empty_cache()
         eager_first, eager_times, ref = timed(vae.decode)
         rec = {"memory_format": fmt, "eager_ms": round(statistics.median(eager_times) * 1000, 2)}
+        if ref32 is not None:
+            rec["eager_rel_l2_vs_fp32"] = rel_l2(ref, ref32)
         if fmt != "eager":
             cm = nexfort_engine.compile(vae, {"mode": args.mode, "memory_format": fmt}, cache_dir=cache, method="decode")
             first, times, out = timed(cm)
@@ -67,6 +81,9 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
             rec.update(first_s=round(first, 2), compiled_ms=round(statistics.median(times) * 1000, 2),
                        max_abs_vs_eager=float((out.float() - ref.float()).abs().max()),
                        compiles=stats["compiles"], cache_hits=stats["cache_hits"], fallbacks=stats["fallbacks"])
+            if ref32 is not None:  # lossless: compiled error vs float32 at most 1.5x eager's
+                rec["compiled_rel_l2_vs_fp32"] = rel_l2(out, ref32)
+                rec["error_ratio"] = round(rec["compiled_rel_l2_vs_fp32"] / rec["eager_rel_l2_vs_fp32"], 3)
     rec.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode, size=args.size)
     return rec
 
@@ -79,6 +96,8 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--formats", default="contiguous,channels_last")
+    ap.add_argument("--no-fp32-reference", dest="fp32_reference", action="store_false",
+                    help="skip the float32 decode the errors are measured against")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -90,7 +109,8 @@ def main() -> int:
         for run in ("cold", "warm"):
             out = subprocess.run([sys.executable, __file__, "--comfy-root", args.comfy_root, "--cache-root",
                                   args.cache_root, "--mode", args.mode, "--size", str(args.size), "--repeat",
-                                  str(args.repeat), "--child", fmt, "--cache", cache],
+                                  str(args.repeat), "--child", fmt, "--cache", cache,
+                                  *([] if args.fp32_reference else ["--no-fp32-reference"])],
                                  capture_output=True, text=True, check=False)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
             rec = json.loads(lines[-1]) if lines else {"memory_format": fmt, "error": out.stderr[-800:]}

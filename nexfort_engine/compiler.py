@@ -288,15 +288,17 @@ class CompiledModule(torch.nn.Module):
         # copies them back: regional SDXL spent 4.1 ms per step in such copies, run61)
         compiled = regions.blocks_module(self._nx_regions) if self._nx_regions else self._orig_mod
         layout = shapes.layout_patches(compiled, cuda)
+        channels_last = bool(layout.get("force_layout_optimization"))
         if layout and self._nx_config.backend == "inductor":
             self._nx_settings = dataclasses.replace(
                 self._nx_settings, inductor={**self._nx_settings.inductor, **layout}
             )
-            self._nx_conv_weights = ChannelsLastWeights(compiled)
-            self._refresh_conv_weights()
+            if channels_last:
+                self._nx_conv_weights = ChannelsLastWeights(compiled)
+                self._refresh_conv_weights()
         self._nx_group_norm = group_norm.wanted(
             self._nx_config.group_norm_rewrite,
-            channels_last_forced=bool(layout),
+            channels_last_forced=channels_last,
             inductor=self._nx_config.backend == "inductor",
             forward=self._nx_method == "forward",
         )

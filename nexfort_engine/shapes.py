@@ -297,7 +297,8 @@ def conv_count(module: torch.nn.Module) -> int:
 
 
 def layout_patches(module: torch.nn.Module, cuda: bool) -> dict[str, Any]:
-    """Inductor patches that keep a conv net's activations channels-last on the GPU.
+    """Inductor patches for a conv net's layout: channels-last activations on the GPU, Inductor's
+    layout choice off on CPU.
 
     Inductor converts a conv net's activations to channels-last (the layout cuDNN's convolutions
     run natively) only when a heuristic agrees (``GraphLowering.decide_layout_opt``): it declines
@@ -308,8 +309,17 @@ def layout_patches(module: torch.nn.Module, cuda: bool) -> dict[str, Any]:
     none (BENCHMARKS.md, runs 12 and 14). ``force_layout_optimization`` makes Inductor take the
     channels-last layout regardless (for the static bf16 graphs, what it already chose); weights
     stay as they are (live parameters, LoRA-safe), Inductor converts them inside the graph.
-    GPU only: on CPU Inductor picks the layout itself. Static and symbolic shapes alike.
+    Static and symbolic shapes alike.
+
+    On CPU the opposite: Inductor's own layout optimization is turned off. There it chose
+    channels-last for the tiny SD1.5 UNet and then copied every conv weight to channels-last
+    inside the graph on every call; oneDNN's convolutions reorder their operands themselves. Same
+    process, 2 cores, batch 2, ms per call with the layout choice / without: 41.5 / 30.0 at an 8x8
+    latent (eager 30-36), 383-399 / 358-362 at 32x32, 2214 / 2242 at 64x64 (eager 2345), all
+    within noise or faster (BENCHMARKS.md, nineteenth session).
     """
-    if not cuda or conv_count(module) < MIN_CONVS:
+    if conv_count(module) < MIN_CONVS:
         return {}
+    if not cuda:
+        return {"layout_optimization": False}
     return {"force_layout_optimization": True}

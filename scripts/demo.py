@@ -54,6 +54,17 @@ def _image_diff(a: Path, b: Path) -> int | None:
     return int(np.abs(x - y).max()) if x.shape == y.shape else None
 
 
+def _compiled_call_seconds(before: dict | None, after: dict | None) -> float | None:
+    """Mean seconds per compiled model call between two ``GET /nexfort/stats`` snapshots (the
+    engine times every call that neither compiled nor loaded a graph)."""
+    if not before or not after:
+        return None
+    b, a = before.get("engine") or {}, after.get("engine") or {}
+    calls = (a.get("calls") or 0) - (b.get("calls") or 0)
+    seconds = (a.get("compiled_call_seconds") or 0.0) - (b.get("compiled_call_seconds") or 0.0)
+    return seconds / calls if calls > 0 and seconds > 0 else None
+
+
 def _graphs(steps: int, seed: int) -> tuple[dict, dict]:
     compiled = comfy_server.set_seed(comfy_server.load_workflow(WORKFLOW), seed)
     sampler = comfy_server.find_node(compiled, "KSampler")
@@ -138,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             " on 2 CPU cores a cold Inductor compile takes 50-100 s")
         first = srv.run(compiled_g, timeout=args.timeout, progress=note)
         say(f"      first compiled run done in {first.execution_seconds:.2f} s")
+        before = srv.stats()
         _, again_g = _graphs(args.steps, args.seed + 1)
         again = srv.run(again_g, timeout=args.timeout, progress=note)
         say(f"      second compiled run (steady state, seed {args.seed + 1}) done in {again.execution_seconds:.2f} s")
@@ -175,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     if eager_step and compiled_step:
         say(f"  speed-up                   {eager_step / compiled_step:.2f}x")
     say(f"  compiled first step        {_fmt_s(first_step)}  (includes compiling / loading the cache)")
+    call = _compiled_call_seconds(before, stats)
+    if call is not None:
+        say(f"  compiled model call        {_fmt_s(call)}  (engine counter, second run: the rest of a step is"
+            " ComfyUI's sampler and server)")
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if load > cores:
         say(f"  note: load average {load:.1f} on {cores} cores while measuring; per-step times are noisy")

@@ -95,19 +95,23 @@ def test_plain_dynamic_true_recompiles_on_the_same_sweep(zoo, family, clean_dyna
     assert graphs > 2, f"{family}: plain dynamic=True made only {graphs} graph(s) on this sweep"
 
 
-def test_conv_nets_keep_channels_last_on_the_gpu():
+def test_conv_net_layout_patches():
     """shapes.layout_patches: Inductor's channels-last layout is forced for conv nets compiled with
     symbolic shapes (and static ones, where fp8 nodes tipped Inductor's heuristic) on a GPU (else
-    cuDNN transposes every conv's input and output), and only there: not for DiTs (a patch-embed
-    conv) or the CPU."""
+    cuDNN transposes every conv's input and output); on CPU Inductor's own layout choice is off;
+    a DiT (one patch-embed conv) gets neither."""
     from nexfort_engine import shapes
 
     unet = tm.tiny_sd15().model.diffusion_model
     dit = tm.tiny_pixart().model.diffusion_model
     assert shapes.conv_count(unet) >= shapes.MIN_CONVS > shapes.conv_count(dit)
     assert shapes.layout_patches(unet, cuda=True) == {"force_layout_optimization": True}
-    assert shapes.layout_patches(unet, cuda=False) == {}
+    # on CPU Inductor's own layout choice is off (it copied every conv weight in every call)
+    assert shapes.layout_patches(unet, cuda=False) == {"layout_optimization": False}
     assert shapes.layout_patches(dit, cuda=True) == {}
+    assert shapes.layout_patches(dit, cuda=False) == {}
     import torch._inductor.config as inductor_config
 
-    assert hasattr(inductor_config, "force_layout_optimization")  # the key exists in this torch
+    # the keys exist in this torch
+    assert hasattr(inductor_config, "force_layout_optimization")
+    assert hasattr(inductor_config, "layout_optimization")
