@@ -58,11 +58,12 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "O1": ("jit", "cache-all"),
     # recommended: accurate (no reduced precision), dynamic resolution, LoRA-safe (no freezing);
     # CUDA graphs are bit-for-bit the same math and removed most launch overhead in our runs.
-    # No cuDNN "benchmark": it searched algorithms anew in every process (SDXL warm start +0.9 s, a
-    # VAE decode's first call +0.8-4.6 s) for no measured speed (SD2.1, SDXL, SDXL VAE; BENCHMARKS.md)
-    "O2": ("max-optimize", "cudagraphs", "cache-all"),
+    # cuDNN "benchmark" searches algorithms anew in every process (SDXL warm start +0.9 s, a VAE
+    # decode's first call +0.8-4.6 s) and pays on SD2.1 768² under dynamic shape (79.3 vs 74.6 it/s
+    # in one call; SDXL and its VAE the same either way; BENCHMARKS.md, runs 135-136 and 143)
+    "O2": ("max-optimize", "benchmark", "cudagraphs", "cache-all"),
     # fastest: + autotuning and reduced-precision math (slow first compile, then cached)
-    "O3": ("max-optimize", "max-autotune", "cudagraphs", "low-precision", "cache-all"),
+    "O3": ("max-optimize", "max-autotune", "benchmark", "cudagraphs", "low-precision", "cache-all"),
 }
 
 MEMORY_FORMATS = ("contiguous", "channels_last")

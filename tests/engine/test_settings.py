@@ -27,7 +27,7 @@ def test_gpu_only_flags_dropped_on_cpu_with_one_warning(caplog):
         first = S.resolve(cfg, cuda=False)
         for _ in range(3):
             again = S.resolve(cfg, cuda=False)
-    assert set(first.dropped) == {"max-autotune", "cudagraphs", "low-precision"}
+    assert set(first.dropped) == {"max-autotune", "cudagraphs", "low-precision", "benchmark"}
     assert again == first
     warns = _warnings(caplog)
     assert len(warns) == 1
@@ -56,9 +56,9 @@ def test_gpu_flags_kept_with_cuda():
     s = S.resolve(parse_options({"mode": "O3"}), cuda=True)
     assert s.dropped == ()
     assert s.inductor["triton.cudagraphs"] is True and s.inductor["max_autotune"] is True
-    assert s.runtime["matmul_allow_tf32"] is True and "cudnn_benchmark" not in s.runtime  # not in O3
-    s = S.resolve(parse_options({"mode": "O3:benchmark"}), cuda=True)
-    assert s.runtime["cudnn_benchmark"] is True
+    assert s.runtime["matmul_allow_tf32"] is True and s.runtime["cudnn_benchmark"] is True
+    s = S.resolve(parse_options({"mode": "max-optimize:cudagraphs:cache-all"}), cuda=True)
+    assert "cudnn_benchmark" not in s.runtime  # only where the flag is
 
 
 def test_seed_option_keys_are_mapped():
