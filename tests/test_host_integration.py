@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import comfy_server
+import demo
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -129,3 +130,15 @@ def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
     assert loaded and all(m["compiles"] == 0 and m["precompiled_graphs"] >= 1 for m in loaded), warm
     assert warm["cache_hits"] > 0, f"restart did not hit the persisted cache: {warm}"
     assert warm["cache_misses"] == 0, f"restart compiled cold again ({warm['cache_misses']} misses): {warm}"
+
+    # steady state: the engine times every compiled call that neither compiled nor loaded a graph;
+    # the demo reports that time per call next to ComfyUI's per-step times (scripts/demo.py)
+    before = comfy.stats()
+    again = _run(comfy, COMPILED_WORKFLOW)
+    after = comfy.stats()
+    steps = comfy_server.load_workflow(COMPILED_WORKFLOW)[comfy_server.find_node(
+        comfy_server.load_workflow(COMPILED_WORKFLOW), "KSampler")]["inputs"]["steps"]
+    assert after["engine"]["calls"] - before["engine"]["calls"] == steps  # one UNet call per step (CFG batched)
+    per_call = demo._compiled_call_seconds(before, after)
+    assert per_call is not None and 0 < per_call * steps < again.execution_seconds, (per_call, again.execution_seconds)
+    assert demo._compiled_call_seconds(after, after) is None  # no calls in between: nothing to report
