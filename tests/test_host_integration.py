@@ -136,8 +136,8 @@ def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
     before = comfy.stats()
     again = _run(comfy, COMPILED_WORKFLOW)
     after = comfy.stats()
-    steps = comfy_server.load_workflow(COMPILED_WORKFLOW)[comfy_server.find_node(
-        comfy_server.load_workflow(COMPILED_WORKFLOW), "KSampler")]["inputs"]["steps"]
+    graph = comfy_server.load_workflow(COMPILED_WORKFLOW)
+    steps = graph[comfy_server.find_node(graph, "KSampler")]["inputs"]["steps"]
     assert after["engine"]["calls"] - before["engine"]["calls"] == steps  # one UNet call per step (CFG batched)
     per_call = demo._compiled_call_seconds(before, after)
     assert per_call is not None and 0 < per_call * steps < again.execution_seconds, (per_call, again.execution_seconds)

@@ -149,3 +149,23 @@ def test_regional_compile_converts_only_the_compiled_blocks_convs(monkeypatch, c
     whole = nexfort_engine.compile(net, {"mode": "O2", "regional": False}, cache_dir=None)
     whole._setup(x)
     assert all(c.weight.is_contiguous(memory_format=CL) for c in net.glue)
+
+
+def test_cpu_conv_net_compiles_without_inductor_layout_choice_unless_asked(clean_dynamo):
+    """On CPU a conv net's settings turn Inductor's layout choice off (it copied every conv weight
+    in every call) and leave the weights as they are; a user's own ``inductor.layout_optimization``
+    option wins over the patch, as any explicit option does."""
+    x = torch.randn(1, 8, 6, 6)
+    net = _RegionalNet(True).eval().requires_grad_(False)
+    assert shapes.conv_count(net) >= shapes.MIN_CONVS
+    cm = nexfort_engine.compile(net, {"mode": "O2", "regional": False}, cache_dir=None)
+    cm._setup(x)  # decides; nothing is compiled before the first call
+    assert cm._nx_settings.inductor["layout_optimization"] is False
+    assert "force_layout_optimization" not in cm._nx_settings.inductor
+    assert cm._nx_conv_weights is None and not any(
+        m.weight.is_contiguous(memory_format=CL) for m in net.modules() if isinstance(m, torch.nn.Conv2d)
+        and m.kernel_size != (1, 1))
+    mine = nexfort_engine.compile(net, {"mode": "O2", "regional": False, "options": {"inductor.layout_optimization": True}},
+                                  cache_dir=None)
+    mine._setup(x)
+    assert mine._nx_settings.inductor["layout_optimization"] is True
