@@ -47,6 +47,7 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
     import torch
 
     import nexfort_engine
+    from benchmarks.metrics import latent_error
 
     z = torch.randn(1, 4, args.size // 8, args.size // 8, device="cuda", dtype=torch.bfloat16)
 
@@ -60,9 +61,6 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
             times.append(time.perf_counter() - t0)
         return times[0], times[1:], out
 
-    def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.float() - b).norm() / b.norm())
-
     with torch.inference_mode():
         ref32 = None
         if args.fp32_reference:  # same weights upcast, decoded in float32, freed before timing
@@ -73,7 +71,7 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
         eager_first, eager_times, ref = timed(vae.decode)
         rec = {"memory_format": fmt, "eager_ms": round(statistics.median(eager_times) * 1000, 2)}
         if ref32 is not None:
-            rec["eager_rel_l2_vs_fp32"] = rel_l2(ref, ref32)
+            rec["eager_rel_l2_vs_fp32"] = latent_error(ref, ref32)["rel_l2"]
         if fmt != "eager":
             cm = nexfort_engine.compile(vae, {"mode": args.mode, "memory_format": fmt}, cache_dir=cache, method="decode")
             first, times, out = timed(cm)
@@ -82,7 +80,7 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
                        max_abs_vs_eager=float((out.float() - ref.float()).abs().max()),
                        compiles=stats["compiles"], cache_hits=stats["cache_hits"], fallbacks=stats["fallbacks"])
             if ref32 is not None:  # lossless: compiled error vs float32 at most 1.5x eager's
-                rec["compiled_rel_l2_vs_fp32"] = rel_l2(out, ref32)
+                rec["compiled_rel_l2_vs_fp32"] = latent_error(out, ref32)["rel_l2"]
                 rec["error_ratio"] = round(rec["compiled_rel_l2_vs_fp32"] / rec["eager_rel_l2_vs_fp32"], 3)
     rec.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode, size=args.size)
     return rec

@@ -287,9 +287,9 @@ class CompiledModule(torch.nn.Module):
         # weights would only make cuDNN hand channels-last outputs to ATen's GroupNorm, which
         # copies them back: regional SDXL spent 4.1 ms per step in such copies, run61)
         compiled = regions.blocks_module(self._nx_regions) if self._nx_regions else self._orig_mod
-        # the user's own "inductor.<key>" options win over these patches
-        explicit = {k[len("inductor."):] for k, _ in self._nx_config.overrides if k.startswith("inductor.")}
-        layout = {k: v for k, v in shapes.layout_patches(compiled, cuda).items() if k not in explicit}
+        # no flag sets these keys: one already in the settings is the user's own "inductor.<key>"
+        # option, which wins over the patch
+        layout = {k: v for k, v in shapes.layout_patches(compiled, cuda).items() if k not in self._nx_settings.inductor}
         channels_last = bool(layout.get("force_layout_optimization"))
         if layout and self._nx_config.backend == "inductor":
             self._nx_settings = dataclasses.replace(

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"      done in {eager.execution_seconds:.2f} s")
         # steady state for eager too: its first run also pays first-prompt costs (model load,
         # first calls); the step times compared are both from second runs
-        eager_again_g, _ = _graphs(args.steps, args.seed + 1)
+        eager_again_g, again_g = _graphs(args.steps, args.seed + 1)
         eager_again = srv.run(eager_again_g, timeout=args.timeout, progress=note)
         say(f"      again (steady state, seed {args.seed + 1}) done in {eager_again.execution_seconds:.2f} s")
 
@@ -155,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         first = srv.run(compiled_g, timeout=args.timeout, progress=note)
         say(f"      first compiled run done in {first.execution_seconds:.2f} s")
         before = srv.stats()
-        _, again_g = _graphs(args.steps, args.seed + 1)
         again = srv.run(again_g, timeout=args.timeout, progress=note)
         say(f"      second compiled run (steady state, seed {args.seed + 1}) done in {again.execution_seconds:.2f} s")
 
