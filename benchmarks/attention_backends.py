@@ -40,7 +40,11 @@ BACKENDS = {
 }
 
 
-def measure(name: str) -> dict:
+def measure(name: str, pad_to: int | None = None) -> dict:
+    """One shape through every backend; with ``pad_to`` the head dimension is zero-padded to that
+    width (queries, keys and values; the softmax scale stays the unpadded one, so the result is
+    the same attention: zero columns add nothing to q·k, and the padded value columns come out
+    zero and are sliced off before the error is taken)."""
     b, h, lq, lk, d, dtype = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, h, lq, d, device="cuda", dtype=dtype, generator=gen)
@@ -49,16 +53,21 @@ def measure(name: str) -> dict:
     ref = F.scaled_dot_product_attention(q.float()[:1, :2], k.float()[:1, :2], v.float()[:1, :2])
     flops = 4 * b * h * lq * lk * d
     row: dict = {"shape": [b, h, lq, lk, d], "dtype": str(dtype).replace("torch.", "")}
+    scale = None
+    if pad_to is not None and pad_to > d:
+        scale = d**-0.5
+        q, k, v = (F.pad(t, (0, pad_to - d)) for t in (q, k, v))
+        row["padded_to"] = pad_to
     for label, backend in [("default", None), *BACKENDS.items()]:
         try:
             if backend is None:
                 def call():
-                    return F.scaled_dot_product_attention(q, k, v)
+                    return F.scaled_dot_product_attention(q, k, v, scale=scale)
             else:
                 def call(backend=backend):
                     with sdpa_kernel([backend]):
-                        return F.scaled_dot_product_attention(q, k, v)
-            out = call()
+                        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+            out = call()[..., :d]
             ms = 1000.0 * metrics.time_op(call, q.device, iters=20)
             err = float((out[:1, :2].float() - ref).abs().max())
             row[label] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "max_err_vs_fp32": err}
@@ -71,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--models", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--pad-to", nargs="*", type=int, default=[],
+                   help="also time each model's shape with the head dim zero-padded to these widths")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.stderr.write("attention_backends needs a CUDA device\n")
@@ -81,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         "cudnn": torch.backends.cudnn.version(),
         "rows": {name: measure(name) for name in a.models},
     }
+    for width in a.pad_to:
+        for name in a.models:
+            if SHAPES[name][4] < width:
+                result["rows"][f"{name}@pad{width}"] = measure(name, width)
     text = json.dumps(result, indent=1)
     sys.stdout.write(text + "\n")
     if a.output_json:

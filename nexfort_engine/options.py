@@ -38,7 +38,7 @@ class OptionsError(ValueError):
 #: Every mode flag, with the one-line meaning shown in errors and docs.
 FLAGS: dict[str, str] = {
     "max-autotune": "autotune GEMM and pointwise kernels (slow first compile, cached afterwards); convolutions stay with cuDNN",
-    "max-optimize": "most aggressive fusion: epilogue/aggressive fusion, shape padding",
+    "max-optimize": "the fusions and padding that pay at run time: epilogue fusion, shape padding, pattern rewrites",
     "cudagraphs": "CUDA graphs (per-shape graph trees) to remove CPU launch overhead",
     "freezing": "inline weights as constants (fastest; weight patches such as LoRA then need a recompile)",
     "low-precision": (

@@ -48,9 +48,13 @@ FLAG_INDUCTOR: dict[str, dict[str, Any]] = {
     # No ``permute_fusion``: its linear/permute rewrites match nothing in ComfyUI's UNets and DiTs
     # (tests/engine/test_permute_fusion.py checks this on traced graphs), yet on GPU it runs a full fake
     # ShapeProp over the graph before the cache lookup: ~7 s of every SDXL compile, warm ones too.
+    # No ``aggressive_fusion`` (fusing nodes that share no buffer): over a whole dynamic-shape UNet
+    # its extra fusion candidates are checked in sympy; Inductor's scheduler took 25.4 s of an SDXL
+    # cold compile with it and 10.7 s without on one H200 (SD2.1 13.9 -> 8.6 s), at the same speed
+    # (SDXL 31.36-31.42 vs 31.44-31.52 it/s, SD2.1, PixArt, Flux O3 unchanged; BENCHMARKS.md,
+    # twentieth session). A user's ``inductor.aggressive_fusion`` option still turns it on.
     "max-optimize": {
         "epilogue_fusion": True,
-        "aggressive_fusion": True,
         "shape_padding": True,
         "pattern_matcher": True,
     },
