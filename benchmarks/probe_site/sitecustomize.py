@@ -1,8 +1,10 @@
 """Measurement probe, loaded by putting this folder on PYTHONPATH (not part of the engine).
 
 At exit it appends one JSON line to ``$NX_PROBE_OUT`` (stderr if unset) with:
-- ``gc``: collections and seconds per generation (``gc.callbacks``), the longest pause, and the
-  live object count at exit: does the garbage collector explain a slow compile?
+- ``gc``: collections and seconds per generation (``gc.callbacks``), the longest pause, every
+  pause of 5 ms or more with its ``time.perf_counter()`` start (``gc_events``; the bench's runs
+  carry ``t0_perf_s`` on the same clock), and the live object count at exit: does the garbage
+  collector explain a slow compile or a slow sampling?
 - ``cudnn_benchmark_forced_off``: ``NX_PROBE_NO_CUDNN_BENCHMARK=1`` was set (see below).
 - ``autotune``: every Inductor Triton kernel that benchmarked its configs in this process
   (``CachingAutotuner.benchmark_all_configs``): kernel name, number of configs, seconds, and the
@@ -23,6 +25,8 @@ import time
 
 _gc = {"n": [0, 0, 0], "s": [0.0, 0.0, 0.0], "max": 0.0, "t0": 0.0}
 _tuned: list[dict] = []
+#: every collection of 5 ms or more: [time.perf_counter() at its start, seconds, generation]
+_gc_events: list[list] = []
 _T0 = time.perf_counter()
 
 
@@ -35,6 +39,8 @@ def _on_gc(phase: str, info: dict) -> None:
     _gc["n"][g] += 1
     _gc["s"][g] += dt
     _gc["max"] = max(_gc["max"], dt)
+    if dt >= 0.005 and len(_gc_events) < 500:
+        _gc_events.append([round(_gc["t0"], 4), round(dt, 4), g])
 
 
 gc.callbacks.append(_on_gc)
@@ -146,7 +152,7 @@ def _maxrss_mib() -> int:
 def _report() -> None:
     rec = {"label": os.environ.get("NX_PROBE_LABEL", ""), "argv": sys.argv[:1], "pid": os.getpid(), "wall_s": round(time.perf_counter() - _T0, 2),
            "gc_collections": _gc["n"], "gc_s": [round(x, 2) for x in _gc["s"]],
-           "gc_max_s": round(_gc["max"], 3), "objects_at_exit": len(gc.get_objects()),
+           "gc_max_s": round(_gc["max"], 3), "gc_events": _gc_events, "objects_at_exit": len(gc.get_objects()),
            "gc_frozen": gc.get_freeze_count(), "maxrss_mib": _maxrss_mib(), "autotune": _tuned,
            "cudnn_benchmark_forced_off": os.environ.get("NX_PROBE_NO_CUDNN_BENCHMARK") == "1"}
     if _samples["n"]:
