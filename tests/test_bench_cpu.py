@@ -79,6 +79,12 @@ def test_eager_run(results):
     # on the CPU the host clock is the step clock: 2 intervals of 3 steps, their median in ms
     run = r["runs"][0]
     assert 0 < run["host_ms_per_step"] <= 2 * 1000.0 / run["it_s"]
+    # the per-step times behind it: on the CPU both clocks are the host's, so the lists agree, and
+    # the run's own it/s is their mean rate
+    assert len(run["step_ms"]) == len(run["host_step_ms"]) == 2
+    assert run["step_ms"] == run["host_step_ms"]
+    assert abs(2000.0 / sum(run["step_ms"]) - run["it_s"]) <= 0.01 * run["it_s"]
+    assert run["t0_perf_s"] > 0
     assert r["latent_finite"] and r["latent_std"] > 0
     assert r["compiles"] == 0 and r["peak_mem_gib"] is None
 
