@@ -14,6 +14,17 @@ after. Garbage is still collected, in fewer, larger passes: the same tiny UNet's
 collector off (``gc.disable``) left 220 MiB more garbage at the peak. A steady-state call makes few
 Python objects, so the raised thresholds change nothing there.
 
+:func:`settle` pays the collector's debt where it is expected: right after a call that compiled
+or loaded graphs, one full collection. Under the raised thresholds no full collection runs, so
+everything the compile left alive (1.7 M objects after a cold SD2.1 compile, 650 k after a warm
+start) is waiting for one; with the thresholds restored it comes at the first full pass CPython
+decides on, in the middle of some later sampling step. On an H100 (run156) that was one 1.53 s pause in
+the eleventh timed SD2.1 sampling after a cold compile (77.6 it/s became 11.2 for that sampling) and a
+0.39 s pause in PixArt's fourth (30.3 became 20.2): a stall of the user's run at a random step.
+After one full collection at the end of the compiling call, CPython's next full pass waits until the
+survivors grow by a quarter of that heap, which steady sampling does not do. The pass costs a
+second at most, inside the compile (or warm start) it belongs to.
+
 Process-wide and nestable: the first of concurrent compiled calls (threads, or a model calling
 another) raises the thresholds, the last restores what was there before, unless someone else set
 other thresholds meanwhile (theirs are kept). ``NEXFORT_COMPILE_GC=0`` leaves the collector alone.
@@ -25,9 +36,10 @@ import contextlib
 import gc
 import os
 import threading
+import time
 from typing import Iterator
 
-__all__ = ["COMPILE_THRESHOLDS", "compiling", "enabled"]
+__all__ = ["COMPILE_THRESHOLDS", "compiling", "enabled", "settle"]
 
 #: ``gc.set_threshold`` while compiling: (young, middle, old) as CPython counts them
 COMPILE_THRESHOLDS: tuple[int, int, int] = (50_000, 20, 100)
@@ -63,3 +75,17 @@ def compiling() -> Iterator[None]:
                 if gc.get_threshold() == COMPILE_THRESHOLDS and _saved is not None:
                     gc.set_threshold(*_saved)
                 _saved = None
+
+
+def settle() -> float:
+    """One full collection after a call that compiled or loaded graphs (see the module's
+    docstring); the seconds it took. Nothing while a compile still runs elsewhere (the last one to
+    end settles) or with ``NEXFORT_COMPILE_GC=0``."""
+    if not enabled():
+        return 0.0
+    with _lock:
+        if _depth:
+            return 0.0
+    t0 = time.perf_counter()
+    gc.collect()
+    return time.perf_counter() - t0

@@ -576,10 +576,13 @@ class CompiledModule(torch.nn.Module):
         if self._nx_cudagraphs and (skipped := _cudagraph_skips() - skips0):
             counters.bump(self._nx_label, "cudagraph_skips", skipped)
         new = self._nx_graphs - graphs0
+        loaded = not new and graphs0 == 0 and bool(self._nx_aot_artifacts) and not self._nx_aot_used
+        if new or loaded:  # the compile's survivors get their full collection now, not mid-sampling
+            dt += collector.settle()
         if new:
             hit1, miss1 = _fx_counters()
             self._after_compile(new, dt, hit1 - hit0, miss1 - miss0)
-        elif graphs0 == 0 and self._nx_aot_artifacts and not self._nx_aot_used:
+        elif loaded:
             self._after_load(dt)
         else:
             counters.add_seconds(self._nx_label, "compiled_call", dt)
