@@ -149,16 +149,26 @@ def test_the_compiles_survivors_are_collected_at_its_end_not_in_a_later_step(thr
     del keep
 
 
-def test_the_engine_settles_after_a_compiling_call_only(thresholds, full_collections, fresh_stats):
+def test_the_engine_settles_after_a_compiling_call_only(thresholds, full_collections, fresh_stats, monkeypatch):
+    settled = []
+    original = collector.settle
+
+    def counting() -> float:
+        seconds = original()
+        settled.append(seconds)
+        return seconds
+
+    monkeypatch.setattr(collector, "settle", counting)
     mod = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
     cm = nexfort_engine.compile(mod, {"backend": "eager"})
     x = torch.randn(2, 4)
     gc.collect()
     before = len(full_collections)
-    cm(x)  # compiles
-    assert len(full_collections) - before >= 1
-    assert fresh_stats()["compiles"] == 1
+    cm(x)  # compiles, then settles: one full collection, counted in the compile's seconds
+    assert len(settled) == 1 and len(full_collections) - before >= 1
+    stats = fresh_stats()
+    assert stats["compiles"] == 1 and stats["compile_seconds"] >= round(settled[0], 3)
     before = len(full_collections)
-    for _ in range(20):  # steady calls: no collection of ours
+    for _ in range(20):  # steady calls: no settle, no full collection
         cm(x)
-    assert len(full_collections) == before
+    assert len(settled) == 1 and len(full_collections) == before
