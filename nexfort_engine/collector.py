@@ -22,8 +22,9 @@ decides on, in the middle of some later sampling step. On an H100 (run156) that 
 the eleventh timed SD2.1 sampling after a cold compile (77.6 it/s became 11.2 for that sampling) and a
 0.39 s pause in PixArt's fourth (30.3 became 20.2): a stall of the user's run at a random step.
 After one full collection at the end of the compiling call, CPython's next full pass waits until the
-survivors grow by a quarter of that heap, which steady sampling does not do. The pass costs a
-second at most, inside the compile (or warm start) it belongs to.
+survivors grow by a quarter of that heap, which steady sampling does not do. The pass costs what
+the stall did (1.5 s at SD2.1's 1.7 M objects on that host), once, inside the compile or warm start
+it belongs to.
 
 Process-wide and nestable: the first of concurrent compiled calls (threads, or a model calling
 another) raises the thresholds, the last restores what was there before, unless someone else set
@@ -79,8 +80,10 @@ def compiling() -> Iterator[None]:
 
 def settle() -> float:
     """One full collection after a call that compiled or loaded graphs (see the module's
-    docstring); the seconds it took. Nothing while a compile still runs elsewhere (the last one to
-    end settles) or with ``NEXFORT_COMPILE_GC=0``."""
+    docstring); the seconds it took. Nothing with ``NEXFORT_COMPILE_GC=0``, or while another
+    compiled call is still inside :func:`compiling` (a thread compiling, or an outer model calling
+    this one): a full pass then would walk that compile's live objects mid-compile; if the outer call
+    compiled too, its own end settles."""
     if not enabled():
         return 0.0
     with _lock:
