@@ -59,9 +59,13 @@ class StepTimer:
         d = self.seconds_between()
         return len(d) / sum(d) if d and sum(d) > 0 else None
 
+    def host_seconds_between(self) -> list[float]:
+        """Host time between the callbacks of steps 2..N (seconds)."""
+        return [b - a for a, b in zip(self.host_marks, self.host_marks[1:], strict=False)]
+
     def host_ms_per_step(self) -> float | None:
         """Median host time between callbacks of steps 2..N (ms)."""
-        d = [b - a for a, b in zip(self.host_marks, self.host_marks[1:], strict=False)]
+        d = self.host_seconds_between()
         return statistics.median(d) * 1000.0 if d else None
 
 

@@ -192,12 +192,11 @@ class Runner:
         )
         metrics.sync(self.device)
         e2e = time.perf_counter() - t0
-        host = timer.host_marks
         return out, {"e2e_s": e2e, "it_s": timer.it_per_s(), "host_ms_per_step": timer.host_ms_per_step(),
                      "steps_seen": len(timer.marks), "t0_perf_s": round(t0, 4),
                      # per step (2..N): the device's time and the host's, to place a slow sampling
                      "step_ms": [round(1000.0 * d, 3) for d in timer.seconds_between()],
-                     "host_step_ms": [round(1000.0 * (b - a), 3) for a, b in zip(host, host[1:], strict=False)]}
+                     "host_step_ms": [round(1000.0 * d, 3) for d in timer.host_seconds_between()]}
 
     def profile(self, mp: Any, height: int, width: int, steps: int) -> dict[str, Any]:
         """One sampling run under ``torch.profiler``: GPU kernel time per step by category."""
