@@ -5,6 +5,9 @@ At exit it appends one JSON line to ``$NX_PROBE_OUT`` (stderr if unset) with:
   pause of 5 ms or more with its ``time.perf_counter()`` start (``gc_events``; the bench's runs
   carry ``t0_perf_s`` on the same clock), and the live object count at exit: does the garbage
   collector explain a slow compile or a slow sampling?
+- ``samples`` (``NX_PROBE_SAMPLE=<ms>``): where the main thread is, every few milliseconds; with
+  ``NX_PROBE_TIMELINE=1`` also each sample's ``time.perf_counter()`` and innermost frames
+  (``samples.timeline``), to line up with the bench's per-step times.
 - ``cudnn_benchmark_forced_off``: ``NX_PROBE_NO_CUDNN_BENCHMARK=1`` was set (see below).
 - ``autotune``: every Inductor Triton kernel that benchmarked its configs in this process
   (``CachingAutotuner.benchmark_all_configs``): kernel name, number of configs, seconds, and the
@@ -96,7 +99,10 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _Finder())
 
-_samples = {"n": 0, "incl": {}, "leaf": {}}
+_samples = {"n": 0, "incl": {}, "leaf": {}, "timeline": []}
+#: ``NX_PROBE_TIMELINE=1`` with ``NX_PROBE_SAMPLE``: also keep every sample's perf_counter time and
+#: innermost frames, to line samples up with the bench's per-step times (``t0_perf_s``)
+_TIMELINE = os.environ.get("NX_PROBE_TIMELINE") == "1"
 
 
 def _sampler(main_id: int, interval: float) -> None:
@@ -115,6 +121,12 @@ def _sampler(main_id: int, interval: float) -> None:
         _samples["n"] += 1
         seen = set()
         first = True
+        if _TIMELINE and len(_samples["timeline"]) < 40000:
+            stack, f = [], frame
+            while f is not None and len(stack) < 8:
+                stack.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}")
+                f = f.f_back
+            _samples["timeline"].append([round(time.perf_counter(), 4), stack])
         while frame is not None:
             code = frame.f_code
             key = f"{os.path.basename(code.co_filename)}:{code.co_name}"
@@ -159,6 +171,8 @@ def _report() -> None:
         top = sorted(_samples["incl"].items(), key=lambda kv: -kv[1])[:300]
         rec["samples"] = {"n": _samples["n"], "incl": dict(top),
                           "leaf": dict(sorted(_samples["leaf"].items(), key=lambda kv: -kv[1])[:150])}
+        if _samples["timeline"]:
+            rec["samples"]["timeline"] = _samples["timeline"]
     out = os.environ.get("NX_PROBE_OUT")
     line = json.dumps(rec)
     if out:
