@@ -6,8 +6,9 @@ At exit it appends one JSON line to ``$NX_PROBE_OUT`` (stderr if unset) with:
   carry ``t0_perf_s`` on the same clock), and the live object count at exit: does the garbage
   collector explain a slow compile or a slow sampling?
 - ``samples`` (``NX_PROBE_SAMPLE=<ms>``): where the main thread is, every few milliseconds; with
-  ``NX_PROBE_TIMELINE=1`` also each sample's ``time.perf_counter()`` and innermost frames
-  (``samples.timeline``), to line up with the bench's per-step times.
+  ``NX_PROBE_TIMELINE=1`` also each sample's ``time.perf_counter()``, the main thread's innermost
+  frames and every other thread's innermost frame unless it waits (``samples.timeline``), to line
+  up with the bench's per-step times.
 - ``cudnn_benchmark_forced_off``: ``NX_PROBE_NO_CUDNN_BENCHMARK=1`` was set (see below).
 - ``autotune``: every Inductor Triton kernel that benchmarked its configs in this process
   (``CachingAutotuner.benchmark_all_configs``): kernel name, number of configs, seconds, and the
@@ -103,6 +104,9 @@ _samples = {"n": 0, "incl": {}, "leaf": {}, "timeline": []}
 #: ``NX_PROBE_TIMELINE=1`` with ``NX_PROBE_SAMPLE``: also keep every sample's perf_counter time and
 #: innermost frames, to line samples up with the bench's per-step times (``t0_perf_s``)
 _TIMELINE = os.environ.get("NX_PROBE_TIMELINE") == "1"
+#: innermost frames of a thread that is waiting, not running Python (left out of the timeline)
+_IDLE = frozenset({"wait", "_wait_for_tstate_lock", "select", "poll", "_recv_msg", "recv_bytes", "_recv", "get",
+                   "_worker", "accept", "sleep", "read", "readinto", "_read_thread"})
 
 
 def _sampler(main_id: int, interval: float) -> None:
@@ -111,9 +115,14 @@ def _sampler(main_id: int, interval: float) -> None:
     import threading
 
     incl, leaf = _samples["incl"], _samples["leaf"]
+    me = threading.get_ident()
+    names: dict[int, str] = {}
     while True:
+        if _TIMELINE:
+            names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
         time.sleep(interval)
-        frame = sys._current_frames().get(main_id)
+        frames = sys._current_frames()
+        frame = frames.get(main_id)
         if frame is None:
             if not threading.main_thread().is_alive():
                 return
@@ -126,7 +135,15 @@ def _sampler(main_id: int, interval: float) -> None:
             while f is not None and len(stack) < 8:
                 stack.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}")
                 f = f.f_back
-            _samples["timeline"].append([round(time.perf_counter(), 4), stack])
+            # other threads' innermost frames too, unless they wait (a thread holding the GIL in
+            # the background makes the main thread's steps slower without showing in its stack)
+            others = {}
+            for ident, f in frames.items():
+                if ident in (main_id, me) or f.f_code.co_name in _IDLE:
+                    continue
+                others[names.get(ident) or str(ident)] = f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}"
+            _samples["timeline"].append([round(time.perf_counter(), 4), stack, others] if others else
+                                        [round(time.perf_counter(), 4), stack])
         while frame is not None:
             code = frame.f_code
             key = f"{os.path.basename(code.co_filename)}:{code.co_name}"
