@@ -7,8 +7,9 @@ At exit it appends one JSON line to ``$NX_PROBE_OUT`` (stderr if unset) with:
   collector explain a slow compile or a slow sampling?
 - ``samples`` (``NX_PROBE_SAMPLE=<ms>``): where the main thread is, every few milliseconds; with
   ``NX_PROBE_TIMELINE=1`` also each sample's ``time.perf_counter()``, the main thread's innermost
-  frames and every other thread's innermost frame unless it waits (``samples.timeline``), to line
-  up with the bench's per-step times.
+  frames and every other thread's innermost frame unless that frame is a known wait
+  (``samples.timeline``; a thread sleeping in C under another frame still shows, e.g. Inductor's
+  subprocess-pool timer at ``timer.py:check``), to line up with the bench's per-step times.
 - ``cudnn_benchmark_forced_off``: ``NX_PROBE_NO_CUDNN_BENCHMARK=1`` was set (see below).
 - ``autotune``: every Inductor Triton kernel that benchmarked its configs in this process
   (``CachingAutotuner.benchmark_all_configs``): kernel name, number of configs, seconds, and the
