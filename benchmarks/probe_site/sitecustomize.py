@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from types import FrameType
 
 _gc = {"n": [0, 0, 0], "s": [0.0, 0.0, 0.0], "max": 0.0, "t0": 0.0}
 _tuned: list[dict] = []
@@ -110,6 +111,11 @@ _IDLE = frozenset({"wait", "_wait_for_tstate_lock", "select", "poll", "_recv_msg
                    "_worker", "accept", "sleep", "read", "readinto", "_read_thread"})
 
 
+def _where(frame: FrameType) -> str:
+    """A timeline entry for one frame: file, function and line."""
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}:{frame.f_lineno}"
+
+
 def _sampler(main_id: int, interval: float) -> None:
     """``NX_PROBE_SAMPLE=<ms>``: where the main thread is, every few milliseconds (a poor man's
     py-spy: counts per function, inclusive of callees and as the innermost frame)."""
@@ -117,10 +123,8 @@ def _sampler(main_id: int, interval: float) -> None:
 
     incl, leaf = _samples["incl"], _samples["leaf"]
     me = threading.get_ident()
-    names: dict[int, str] = {}
+    names: dict[int, str] = {}  # thread names, looked up again when a thread is new to them
     while True:
-        if _TIMELINE:
-            names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
         time.sleep(interval)
         frames = sys._current_frames()
         frame = frames.get(main_id)
@@ -134,17 +138,19 @@ def _sampler(main_id: int, interval: float) -> None:
         if _TIMELINE and len(_samples["timeline"]) < 40000:
             stack, f = [], frame
             while f is not None and len(stack) < 8:
-                stack.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}")
+                stack.append(_where(f))
                 f = f.f_back
+            entry: list = [round(time.perf_counter(), 4), stack]
             # other threads' innermost frames too, unless they wait (a thread holding the GIL in
             # the background makes the main thread's steps slower without showing in its stack)
-            others = {}
-            for ident, f in frames.items():
-                if ident in (main_id, me) or f.f_code.co_name in _IDLE:
-                    continue
-                others[names.get(ident) or str(ident)] = f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}:{f.f_lineno}"
-            _samples["timeline"].append([round(time.perf_counter(), 4), stack, others] if others else
-                                        [round(time.perf_counter(), 4), stack])
+            if any(ident not in names for ident in frames):
+                names = {ident: str(ident) for ident in frames}  # threads threading does not list
+                names.update((t.ident, t.name) for t in threading.enumerate() if t.ident is not None)
+            others = {names[ident]: _where(f) for ident, f in frames.items()
+                      if ident not in (main_id, me) and f.f_code.co_name not in _IDLE}
+            if others:
+                entry.append(others)
+            _samples["timeline"].append(entry)
         while frame is not None:
             code = frame.f_code
             key = f"{os.path.basename(code.co_filename)}:{code.co_name}"
