@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import collector, counters, precompile, prewarm, regions, shapes
+from . import background, collector, counters, precompile, prewarm, regions, shapes
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR, atomic_write_bytes
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
@@ -129,10 +129,14 @@ class CompiledModule(torch.nn.Module):
         label: str | None = None,
         method: str = "forward",
         block_hook: BlockHook | None = None,
+        child_globals: tuple[tuple[str, str, Any], ...] = (),
     ) -> None:
         super().__init__()
         self._orig_mod = module
         self._nx_block_hook = block_hook
+        #: ``"background": true``: the child process compiling, and what it needs set first
+        self._nx_job: background.Job | None = None
+        self._nx_child_globals = child_globals
         self._nx_method = method
         self._nx_config = config
         self._nx_store = store
@@ -155,6 +159,9 @@ class CompiledModule(torch.nn.Module):
         self._nx_fp8_attentions = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
+        #: set up, but the first compiled call (entry verification, compile or load) not made yet:
+        #: a background compile ran in between
+        self._nx_first_pending = False
         #: ahead-of-time graphs (precompile.py) in use instead of torch.compile's, in trace order
         self._nx_aot = False
         self._nx_aot_artifacts: list[precompile.Artifact] = []
@@ -295,9 +302,8 @@ class CompiledModule(torch.nn.Module):
             self._nx_settings = dataclasses.replace(
                 self._nx_settings, inductor={**self._nx_settings.inductor, **layout}
             )
-            if channels_last:
+            if channels_last:  # converted before each compiled call (not the eager ones of a background compile)
                 self._nx_conv_weights = ChannelsLastWeights(compiled)
-                self._refresh_conv_weights()
         self._nx_group_norm = group_norm.wanted(
             self._nx_config.group_norm_rewrite,
             channels_last_forced=channels_last,
@@ -655,6 +661,62 @@ class CompiledModule(torch.nn.Module):
             log.info("nexfort: cache entry %s committed (%d bytes) in %s", entry.key, size, entry.path)
             self._nx_store.evict(keep=entry.key)
 
+    # -- background compile (background.py)
+    def _start_background(self, args: tuple, kwargs: dict) -> bool:
+        """Start compiling in a child process; ``False`` (and why, in the counters and the log)
+        where this call compiles in the foreground instead: a warm entry loads faster here."""
+        entry, settings = self._nx_entry, self._nx_settings
+        why = None
+        if entry is None or self._nx_store is None:
+            why = "no cache directory (the child hands its compile over through the cache)"
+        elif "freezing" in self._nx_config.flags:
+            why = "the freezing flag bakes the weights into the graph (the child has zeros)"
+        elif entry.committed(self._nx_env):
+            counters.set_info(self._nx_label, background="off: the cache entry is warm")
+            return False
+        if why is None:
+            assert entry is not None and self._nx_store is not None and settings is not None
+            try:
+                self._nx_job = background.start(
+                    root=self._nx_store.root, key=entry.key, module=self._orig_mod, args=args, kwargs=kwargs,
+                    config=dataclasses.replace(self._nx_config, background=False), label=self._nx_name,
+                    method=self._nx_method, block_hook=self._nx_block_hook if self._nx_regions else None,
+                    skip=(CompiledModule,), child_globals=self._nx_child_globals,
+                )
+            except (background.Unavailable, OSError) as e:
+                why = f"cannot hand the model to a child process: {e}"
+        if why is not None:
+            counters.set_info(self._nx_label, background=f"off: {why}")
+            log.warning("nexfort: %s: compiling in the foreground (%s)", self._nx_label, why)
+            return False
+        assert self._nx_job is not None
+        weakref.finalize(self, self._nx_job.cancel)
+        self._nx_first_pending = True
+        counters.set_info(self._nx_label, state="background", background=f"running (pid {self._nx_job.proc.pid})")
+        return True
+
+    def _background_finished(self) -> None:
+        """The child is done: the first compiled call comes next. It loads what the child
+        committed, or compiles here if the child did not succeed."""
+        job, self._nx_job = self._nx_job, None
+        assert job is not None
+        report = job.result()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        # a child that died or whose compile failed leaves a cold entry: the compile runs here then
+        # (it fails here too if the model cannot be compiled, and runs eager as usual)
+        why = report.get("crashed") or (f"its compile fell back to eager: {report['failed']}" if report.get("failed")
+                                        else None)
+        if why:
+            counters.set_info(self._nx_label, state="pending", background=f"failed: {why}")
+            log.warning("nexfort: %s: the background compile did not succeed (%s); compiling in the foreground",
+                        self._nx_label, why)
+            return
+        seconds = float(report.get("wall_seconds", 0.0))
+        counters.add_seconds(self._nx_label, "background", seconds)
+        counters.set_info(self._nx_label, background=f"done in {seconds:.1f}s")
+        log.info("nexfort: %s: background compile done in %.1fs; loading it", self._nx_label, seconds)
+
     def _fall_back(self, err: BaseException) -> None:
         root = _exception_chain(err)[-1]  # the backend's own error, not Dynamo's wrapper
         text = str(root).strip()
@@ -676,14 +738,24 @@ class CompiledModule(torch.nn.Module):
             args, kwargs = shapes.to_memory_format(args, kwargs, self._nx_memory_format)
         counters.bump(self._nx_label, "calls")
         try:
-            if self._nx_compiled is None:
+            if self._nx_job is not None:
+                if not self._nx_job.done():
+                    return self._eager(*args, **kwargs)
                 with _compile_lock:
-                    if self._nx_compiled is None:
+                    if self._nx_job is not None:
+                        self._background_finished()
+            if self._nx_compiled is None or self._nx_first_pending:
+                with _compile_lock:
+                    if self._nx_compiled is None or self._nx_first_pending:
                         # a running prewarm imports what this compile would: not both at once; the
                         # modules this compile imports are listed for the next process's prewarm
                         prewarm.wait()
                         before = frozenset(sys.modules)
-                        self._setup(_first_tensor(args, kwargs))
+                        if self._nx_compiled is None:
+                            self._setup(_first_tensor(args, kwargs))
+                            if self._nx_config.background and self._start_background(args, kwargs):
+                                return self._eager(*args, **kwargs)
+                        self._nx_first_pending = False
                         out = self._first_call(args, kwargs)
                         if self._nx_store is not None:
                             prewarm.record(self._nx_store.root, before)
@@ -721,6 +793,7 @@ def compile(  # noqa: A001 - the seeds' name
     label: str | None = None,
     method: str = "forward",
     block_hook: BlockHook | None = None,
+    child_globals: tuple[tuple[str, str, Any], ...] = (),
 ) -> CompiledModule:
     """Compile ``module`` with nexfort (lazily, at its first call).
 
@@ -731,10 +804,13 @@ def compile(  # noqa: A001 - the seeds' name
     a block reads but does not need (they would otherwise make every twin its own graph).
     ``cache_dir``: where compiled artifacts persist; defaults to ``$NEXFORT_CACHE_DIR``; ``None``
     and no env var means Inductor's own default cache.
+    ``child_globals``: ``(module, attribute, value)`` a background compile's child process sets
+    before it loads the model (:mod:`nexfort_engine.background`).
     """
     if isinstance(module, CompiledModule):
         module = module._orig_mod
     config = parse_options(options)
     cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
     store = CacheStore(cache_dir) if cache_dir else None
-    return CompiledModule(module, config, store, label=label, method=method, block_hook=block_hook)
+    return CompiledModule(module, config, store, label=label, method=method, block_hook=block_hook,
+                          child_globals=tuple(child_globals))

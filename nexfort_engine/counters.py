@@ -65,6 +65,10 @@ class _Record:
     precompiled_graphs: int = 0
     precompiled_stale: str = ""
     precompiled_guards_dropped: int = 0
+    #: ``"background": true`` (background.py): "running (pid N)", "done in Xs", "failed after Xs",
+    #: "crashed: <why>" or "off: <why>"; the child's wall time until it was done
+    background: str = ""
+    background_seconds: float = 0.0
     updated: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,6 +95,8 @@ class _Record:
             precompiled_graphs=self.precompiled_graphs,
             precompiled_stale=self.precompiled_stale,
             precompiled_guards_dropped=self.precompiled_guards_dropped,
+            background=self.background,
+            background_seconds=round(self.background_seconds, 3),
             updated=self.updated,
         )
         return d
@@ -127,7 +133,7 @@ def add_reason(label: str, kind: str, reason: str) -> None:
 
 
 def add_seconds(label: str, what: str, seconds: float) -> None:
-    """what: 'compile' or 'compiled_call'."""
+    """what: 'compile', 'compiled_call' or 'background'."""
     with _lock:
         rec = _models.setdefault(label, _Record())
         attr = f"{what}_seconds"

@@ -87,6 +87,7 @@ TOP_LEVEL_KEYS = (
     "fused_quant",
     "fused_rope",
     "fp8_attention",
+    "background",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -144,6 +145,9 @@ class CompileConfig:
     #: fp8 linears - O3 - where the fused rotary op runs and cuDNN's fp8 attention does: Hopper with
     #: nvidia-cudnn-frontend installed), True/False = always (True on CPU: the torch twin) / never
     fp8_attention: bool | None = None
+    #: a cold compile runs in a child process while calls run eager, the compiled graphs are
+    #: loaded from the cache once it is done (background.py); a warm cache loads at the first call
+    background: bool = False
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -307,6 +311,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         fused_quant=_as_optional_bool("fused_quant", options.get("fused_quant")),
         fused_rope=_as_optional_bool("fused_rope", options.get("fused_rope")),
         fp8_attention=_as_optional_bool("fp8_attention", options.get("fp8_attention")),
+        background=_as_bool("background", options.get("background", False)),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

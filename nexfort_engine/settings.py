@@ -154,6 +154,7 @@ class Settings:
         # entry's structure key: compiler.py), so keys made before these options stay valid
         d.pop("fp8", None)
         d.pop("regional", None)
+        d.pop("background", None)  # where it compiles, not what: a background compile fills the same entry
         d.pop("spatial_multiple", None)  # the effective multiple is in the structure key (compiler.py)
         if self.fp8:
             d["fp8"] = True

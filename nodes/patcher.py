@@ -68,6 +68,17 @@ def comfy_block_hook(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "transformer_options": {k: v for k, v in to.items() if k not in _POSITION_KEYS}}
 
 
+def _child_globals() -> tuple[tuple[str, str, Any], ...]:
+    """What a background compile's child process sets before it imports ComfyUI's modules: the
+    command line this ComfyUI parsed (``comfy.model_management`` reads ``--cpu``, ``--fp16-vae``
+    and the like when imported)."""
+    try:
+        import comfy.cli_args
+    except ImportError:
+        return ()
+    return (("comfy.cli_args", "args", comfy.cli_args.args),)
+
+
 def _compiled_for(module: torch.nn.Module, config: CompileConfig, label: str, method: str = "forward"):
     per_module = module.__dict__.get(_ATTR)
     if per_module is None:
@@ -83,7 +94,7 @@ def _compiled_for(module: torch.nn.Module, config: CompileConfig, label: str, me
             if p.requires_grad:
                 p.requires_grad_(False)
         cm = nexfort_engine.compile(module, config, cache_dir=cache_root(), label=label, method=method,
-                                    block_hook=comfy_block_hook)
+                                    block_hook=comfy_block_hook, child_globals=_child_globals())
         per_module[key] = cm
     return cm
 

@@ -219,6 +219,14 @@ class CacheEntry:
                     p.unlink()
         return "hit" if listed else "miss"
 
+    def committed(self, env: dict[str, str] | None = None) -> bool:
+        """Whether a manifest for this environment lists files: the entry was committed and
+        :meth:`verify` will check it (cheap: no file is hashed here)."""
+        manifest = _read_json(self.path / MANIFEST)
+        if manifest is None or manifest.get("format") != FORMAT_VERSION:
+            return False
+        return (env is None or manifest.get("env") == env) and bool(manifest.get("files"))
+
     def wipe(self, why: str) -> None:
         self._known.clear()
         log.warning("nexfort cache: discarding entry %s (%s); it will be rebuilt", self.key, why)

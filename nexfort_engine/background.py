@@ -1,0 +1,342 @@
+"""Background compile: a cold compile runs in a child process while the caller keeps running eager.
+
+What: with the ``"background": true`` option, the first call of a :class:`~nexfort_engine.compiler.CompiledModule`
+whose cache entry is cold does not compile. It hands a *job* to a child Python process and runs
+the call eager; so does every call until the child is done. The child (``python -m
+nexfort_engine.background <job>``) rebuilds the module and the first call's inputs, compiles them
+with the same engine code, options and cache root, and commits the cache entry as a foreground
+compile would. The next call of the parent then finds a warm entry and loads it: the precompiled
+graphs, or Inductor's caches under ``torch.compile`` (regional compilation, fp8).
+
+Why: a whole UNet's cold compile takes minutes (SDXL 170 s on an H200). In the foreground the
+first image waits for all of it. Here it arrives at eager speed, and the compiled speed starts
+with the first step after the child finishes, for the price of a warm start (seconds) at that step.
+
+What travels to the child (:func:`dumps`): the module and the call's arguments, pickled. Classes
+and functions go by reference (the child imports them from the parent's ``sys.path``). Tensors
+of at most :data:`COPY_BYTES` go with their values; larger ones (the weights) go as their
+metadata (class, size, stride, dtype, device, ``requires_grad``, inference-ness) and the child
+allocates them zero-filled: a trace depends on that metadata, not on the values. That costs the
+child a second copy of the weights in device memory while it compiles. Graphs that bake the
+weights in (the ``freezing`` flag) would bake zeros, so that flag is never compiled here. Engine
+wrappers found inside the module (the node layer keeps its compiled modules in the module's
+``__dict__``) travel as ``None``. Whatever cannot be pickled (a lambda inside the inputs, a tensor
+subclass) raises :class:`Unavailable`, and the caller compiles in the foreground instead.
+
+The child watches its parent and exits when the parent does; the parent terminates a child it no
+longer needs (its module collected, its own exit). A child that fails to start or dies leaves no
+entry behind (an entry is only trusted once committed) and the parent compiles in the
+foreground. A compile that fails in the child is reported back, and the parent runs eager, as
+after a failed foreground compile.
+
+Twin: the foreground compile (``"background": false``, the default), which runs the same engine
+code in the caller's process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import importlib
+import io
+import json
+import logging
+import marshal
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import types
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: tensors up to this size travel with their values (inputs, tables); larger ones as metadata
+COPY_BYTES = 1 << 20
+#: under the cache root: ``<JOBS>/<entry key>/`` holds a job's input, log and result
+JOBS = "jobs"
+JOB_FILE = "job.pkl"
+RESULT_FILE = "result.json"
+LOG_FILE = "child.log"
+#: how often the child checks that its parent is still alive
+PARENT_POLL_S = 1.0
+
+
+class Unavailable(RuntimeError):
+    """This call cannot be compiled in a child process (the message says why)."""
+
+
+# -- what travels: tensors as values or as metadata -------------------------------------------
+
+
+def _rebuild_tensor(cls: type, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: str,
+                    requires_grad: bool, inference: bool, data: bytes | None) -> torch.Tensor:
+    """The child's side of :func:`_reduce_tensor`: a tensor with the same metadata, holding the
+    sent values or zeros."""
+    with torch.inference_mode(inference):
+        t = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        if data is not None:
+            t.copy_(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+        else:
+            t.zero_()
+    if cls is torch.nn.Parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    cls = type(t)
+    if cls not in (torch.Tensor, torch.nn.Parameter):
+        raise Unavailable(f"a tensor of class {cls.__module__}.{cls.__qualname__} (only plain tensors travel)")
+    if t.device.type == "meta":
+        raise Unavailable("a tensor on the meta device")
+    data = None
+    if t.numel() * t.element_size() <= COPY_BYTES:
+        buf = io.BytesIO()
+        with torch.inference_mode(False):
+            torch.save(t.detach().to("cpu").clone(), buf)
+        data = buf.getvalue()
+    return _rebuild_tensor, (cls, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), bool(t.requires_grad),
+                             t.is_inference(), data)
+
+
+def _none() -> None:
+    return None
+
+
+def _stand_in(module: str, qualname: str, code: bytes) -> Callable[..., Any]:
+    """The child's side of a function defined inside another function (a host's wrapper closure
+    among the call's options), which pickle cannot send: a function with the same module,
+    qualified name and code object - what a saved graph's guards compare - but empty globals and
+    closure cells. Such functions are carried along, not called, by the models seen so far; a
+    trace that does call one fails in the child, and the parent compiles in its foreground."""
+    code_obj = marshal.loads(code)
+    closure = tuple(types.CellType() for _ in code_obj.co_freevars) or None
+    fn = types.FunctionType(code_obj, {"__builtins__": builtins, "__name__": module}, code_obj.co_name, None, closure)
+    fn.__module__, fn.__qualname__ = module, qualname
+    return fn
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: Any, skip: tuple[type, ...]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._skip = skip
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return _reduce_tensor(obj)
+        if isinstance(obj, types.FunctionType) and "<locals>" in obj.__qualname__:
+            return _stand_in, (obj.__module__, obj.__qualname__, marshal.dumps(obj.__code__))
+        if self._skip and isinstance(obj, self._skip):
+            return _none, ()
+        return NotImplemented
+
+
+def dumps(obj: Any, skip: tuple[type, ...] = ()) -> bytes:
+    """Pickle ``obj`` for the child (see the module docstring); instances of ``skip`` become None.
+    Raises :class:`Unavailable` naming what could not be pickled."""
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, skip).dump(obj)
+    except Unavailable:
+        raise
+    except Exception as e:  # noqa: BLE001 - pickle raises many types (PicklingError, TypeError, AttributeError)
+        raise Unavailable(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from e
+    return buf.getvalue()
+
+
+# -- the parent's side ------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """A compile running in a child process."""
+
+    key: str
+    path: Path
+    proc: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.monotonic)
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None
+
+    def result(self) -> dict[str, Any]:
+        """After :meth:`done`: the child's report, or ``{"crashed": why}`` if it wrote none."""
+        code = self.proc.wait()
+        try:
+            report = json.loads((self.path / RESULT_FILE).read_text())
+        except (OSError, ValueError):
+            report = None
+        if not isinstance(report, dict) or code != 0:
+            tail = _tail(self.path / LOG_FILE)
+            return {"crashed": f"exit code {code}; {tail or 'no output'} (log: {self.path / LOG_FILE})"}
+        report["wall_seconds"] = round(time.monotonic() - self.started, 3)
+        return report
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip()[:300] for line in text[-lines:])
+
+
+_running: weakref.WeakSet[Any] = weakref.WeakSet()
+_running_lock = threading.Lock()
+
+
+def _cancel_all() -> None:
+    with _running_lock:
+        jobs = list(_running)
+    for holder in jobs:
+        job = getattr(holder, "job", None)
+        if job is not None:
+            job.cancel()
+
+
+class _Holder:
+    """Weak-referenceable box (Popen objects are not): the registry of running jobs."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+
+atexit.register(_cancel_all)
+
+
+def start(
+    *,
+    root: str | os.PathLike[str],
+    key: str,
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    config: Any,
+    label: str,
+    method: str,
+    block_hook: Callable[..., Any] | None,
+    skip: tuple[type, ...] = (),
+    child_globals: Sequence[tuple[str, str, Any]] = (),
+) -> Job:
+    """Pickle the job and start the child; raises :class:`Unavailable` (nothing started) if the
+    module or the inputs cannot travel. ``config`` is the engine's CompileConfig (with
+    ``background`` off: the child compiles in its foreground). ``child_globals``: ``(module,
+    attribute, value)`` set in the child before the job loads (a host's parsed command line, which
+    its modules read when imported)."""
+    payload = {
+        "module": module,
+        "args": args,
+        "kwargs": kwargs,
+        "config": config,
+        "label": label,
+        "method": method,
+        "block_hook": block_hook,
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+    }
+    data = dumps(payload, skip)
+    path = Path(root) / JOBS / key
+    path.mkdir(parents=True, exist_ok=True)
+    for name in (RESULT_FILE, JOB_FILE):
+        with contextlib.suppress(OSError):
+            (path / name).unlink()
+    header = {"sys_path": [p for p in sys.path if isinstance(p, str)], "root": str(root), "parent": os.getpid(),
+              "globals": dumps(list(child_globals))}
+    with open(path / JOB_FILE, "wb") as f:
+        pickle.dump(header, f, protocol=pickle.HIGHEST_PROTOCOL)
+        f.write(data)
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parent.parent)  # the directory holding nexfort_engine
+    env["PYTHONPATH"] = os.pathsep.join([here, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    with open(path / LOG_FILE, "wb") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nexfort_engine.background", str(path / JOB_FILE)],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+        )
+    job = Job(key=key, path=path, proc=proc)
+    holder = _Holder(job)
+    with _running_lock:
+        _running.add(holder)
+    job._holder = holder  # type: ignore[attr-defined] - keeps the registry's weak entry alive
+    log.info("nexfort: %s: compiling in a background process (pid %d; log %s)", label, proc.pid, path / LOG_FILE)
+    return job
+
+
+# -- the child's side -------------------------------------------------------------------------
+
+
+def _watch_parent(parent: int) -> None:
+    def run() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=run, name="nexfort-parent-watch", daemon=True).start()
+
+
+def _write_result(path: Path, report: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, default=str))
+    os.replace(tmp, path)
+
+
+def child_main(job_file: str) -> int:
+    """Compile the job in ``job_file`` and write its report next to it (exit code 0), or exit non-zero."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    path = Path(job_file)
+    with open(path, "rb") as f:
+        header = pickle.load(f)
+        _watch_parent(int(header["parent"]))
+        for p in reversed(header["sys_path"]):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        for module, attr, value in pickle.loads(header["globals"]):
+            setattr(importlib.import_module(module), attr, value)
+        t0 = time.perf_counter()
+        payload = pickle.load(f)
+    load_s = time.perf_counter() - t0
+    with contextlib.suppress(OSError):
+        path.unlink()  # consumed
+
+    from . import counters
+    from .compiler import compile as nx_compile
+
+    cm = nx_compile(payload["module"], payload["config"], cache_dir=header["root"], label=payload["label"],
+                    method=payload["method"], block_hook=payload["block_hook"])
+    t1 = time.perf_counter()
+    with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
+        cm(*payload["args"], **payload["kwargs"])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    rec = counters.snapshot()["models"].get(cm.label, {})
+    _write_result(path.parent / RESULT_FILE, {
+        "failed": cm.failed,
+        "label": cm.label,
+        "load_seconds": round(load_s, 3),
+        "compile_seconds": round(time.perf_counter() - t1, 3),
+        "compiles": rec.get("compiles", 0),
+        "cache_key": rec.get("cache_key", ""),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1]))
