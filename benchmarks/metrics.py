@@ -131,6 +131,9 @@ def nexfort_counts() -> dict[str, Any]:
         "recompile_reasons": list(s.get("recompile_reasons", []))[-10:],
         "fallback_reasons": list(s.get("fallback_reasons", []))[-10:],
         "compile_seconds": float(s.get("compile_seconds", 0.0)),
+        # "background": true - each model's child process (state, its wall time until done)
+        "background": {k: m["background"] for k, m in s.get("models", {}).items() if m.get("background")},
+        "background_seconds": float(s.get("background_seconds", 0.0)),
         # what the graph passes rewrote, over all compiled models (fp8 attention: run106 on)
         "rewrites": {k: sum(int(m.get(k, 0)) for m in s.get("models", {}).values())
                      for k in ("fp8_quant_fused", "rope_fused", "attention_fp8", "group_norms_rewritten")},

@@ -66,6 +66,8 @@ JOBS = "jobs"
 JOB_FILE = "job.pkl"
 RESULT_FILE = "result.json"
 LOG_FILE = "child.log"
+#: the child's scheduling priority offset (Linux/macOS ``nice``)
+NICE = 10
 #: how often the child checks that its parent is still alive
 PARENT_POLL_S = 1.0
 
@@ -302,6 +304,9 @@ def child_main(job_file: str) -> int:
     """Compile the job in ``job_file`` and write its report next to it (exit code 0), or exit non-zero."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     path = Path(job_file)
+    if hasattr(os, "nice"):  # the parent's eager steps keep their CPU time; the compile takes the rest
+        with contextlib.suppress(OSError):
+            os.nice(NICE)
     with open(path, "rb") as f:
         header = pickle.load(f)
         _watch_parent(int(header["parent"]))
