@@ -2,8 +2,7 @@
 
 What: with the ``"background": true`` option, the first call of a :class:`~nexfort_engine.compiler.CompiledModule`
 whose cache entry is cold does not compile. It hands a *job* to a child Python process and runs
-the call eager; so does every call until the child is done. The child (``python -m
-nexfort_engine.background <job>``) rebuilds the module and the first call's inputs, compiles them
+the call eager; so does every call until the child is done. The child (:func:`child_main`) rebuilds the module and the first call's inputs, compiles them
 with the same engine code, options and cache root, and commits the cache entry as a foreground
 compile would. The next call of the parent then finds a warm entry and loads it: the precompiled
 graphs, or Inductor's caches under ``torch.compile`` (regional compilation, fp8).
@@ -66,6 +65,8 @@ JOBS = "jobs"
 JOB_FILE = "job.pkl"
 RESULT_FILE = "result.json"
 LOG_FILE = "child.log"
+#: the child's program (``-c``: ``-m`` would run a second copy of this module as ``__main__``)
+_CHILD = "import sys; from nexfort_engine.background import child_main; sys.exit(child_main(sys.argv[1]))"
 #: the child's scheduling priority offset (Linux/macOS ``nice``)
 NICE = 10
 #: how often the child checks that its parent is still alive
@@ -269,7 +270,7 @@ def start(
     env["PYTHONPATH"] = os.pathsep.join([here, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
     with open(path / LOG_FILE, "wb") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nexfort_engine.background", str(path / JOB_FILE)],
+            [sys.executable, "-c", _CHILD, str(path / JOB_FILE)],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
         )
     job = Job(key=key, path=path, proc=proc)
@@ -342,6 +343,3 @@ def child_main(job_file: str) -> int:
     })
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1]))

@@ -132,6 +132,27 @@ def fingerprint(value: Any) -> str:
     return f"object:{_module(type(value).__module__)}.{type(value).__qualname__}"
 
 
+#: guards that only ask whether a dict holds one key
+_KEY_GUARDS = ("DICT_CONTAINS", "DICT_NOT_CONTAINS")
+
+
+def contains_fingerprint(key: str, value: Any) -> str:
+    """A key-presence guard's fingerprint. A class's ``__dict__`` gains unrelated keys as a process
+    runs (Dynamo patches ``nn.Module`` once a ``torch.compile``'d call runs), so the guarded
+    dict's full key set differs between processes where the answer to this guard does not."""
+    try:
+        return f"contains:{key!r}:{key in value}"
+    except TypeError:
+        return fingerprint(value)
+
+
+def _guard_key(entry: Any) -> str | None:
+    if entry.guard_type not in _KEY_GUARDS:
+        return None
+    key = getattr(getattr(getattr(entry, "orig_guard", None), "create_fn", None), "keywords", {}).get("key")
+    return key if isinstance(key, str) else None
+
+
 @dataclass(frozen=True)
 class DroppedGuard:
     """A guard kept out of torch's saved set, checked here by name and fingerprint."""
@@ -140,6 +161,9 @@ class DroppedGuard:
     name: str
     fingerprint: str | None  # None: the guard only needs the name to resolve
     per_call: bool  # rooted in an input other than the module itself
+    #: a key-presence guard (DICT_CONTAINS / DICT_NOT_CONTAINS): its key, and the fingerprint is
+    #: whether the dict holds it (:func:`contains_fingerprint`), not the dict's whole key set
+    key: str | None = None
 
 
 _ROOT = re.compile(r"^(?:[A-Za-z_]\w*\()*(?:L\[['\"](\w+)['\"]\]|(G)\[|([A-Za-z_]\w*))")
@@ -203,12 +227,13 @@ class GuardRecorder:
                 self.kept += 1
                 continue
             fp = None
+            key = _guard_key(e)
             if e.has_value:
                 try:
-                    fp = fingerprint(e.value)
+                    fp = contains_fingerprint(key, e.value) if key is not None else fingerprint(e.value)
                 except Exception:  # noqa: BLE001 - an odd object: the name must still resolve
                     fp = None
-            self.dropped.append(DroppedGuard(e.guard_type, e.name, fp, _per_call(e.name, self.self_name)))
+            self.dropped.append(DroppedGuard(e.guard_type, e.name, fp, _per_call(e.name, self.self_name), key))
         return keep
 
 
@@ -357,8 +382,11 @@ class Artifact:
                 value = eval(code, {"__builtins__": builtins}, scope)  # noqa: S307 - torch's own guard names
             except Exception as e:  # noqa: BLE001 - a name that no longer resolves
                 return f"{d.guard_type} {d.name}: {type(e).__name__}"
-            if d.fingerprint is not None and fingerprint(value) != d.fingerprint:
-                return f"{d.guard_type} {d.name}: {fingerprint(value)} != {d.fingerprint}"
+            if d.fingerprint is None:
+                continue
+            now = contains_fingerprint(d.key, value) if d.key is not None else fingerprint(value)
+            if now != d.fingerprint:
+                return f"{d.guard_type} {d.name}: {now} != {d.fingerprint}"
         return None
 
     def _global_ids(self, scope: dict[str, Any]) -> tuple[int, ...] | None:

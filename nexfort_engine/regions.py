@@ -124,6 +124,28 @@ def find_regions(module: torch.nn.Module, min_repeats: int = MIN_REPEATS, deep: 
     return [Region(path, sig, tuple(blocks)) for sig, (path, blocks) in found.items()]
 
 
+@dataclass(frozen=True)
+class DropKeys:
+    """A block hook (see :class:`~nexfort_engine.compiler.CompiledModule`) that drops ``keys`` from
+    the dict a block gets as keyword ``option``, unless that dict holds a non-empty value under one
+    of ``unless``; the caller's dict is never changed (a shallow copy is passed). A host supplies
+    the names: values it writes per block position that its blocks read only when ``unless`` is
+    set. A plain class of this package, so it travels to a background compile's child process
+    (:mod:`nexfort_engine.background`), which cannot import the host's own modules."""
+
+    option: str
+    keys: tuple[str, ...]
+    unless: tuple[str, ...] = ()
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        d = kwargs.get(self.option)
+        if not isinstance(d, dict) or not any(k in d for k in self.keys):
+            return args, kwargs
+        if any(d.get(k) for k in self.unless):
+            return args, kwargs
+        return args, {**kwargs, self.option: {k: v for k, v in d.items() if k not in self.keys}}
+
+
 def region_share(module: torch.nn.Module, regions: list[Region]) -> float:
     """Share of the module's parameters inside ``regions``."""
     total = _param_count(module)

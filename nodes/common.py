@@ -66,7 +66,9 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             '{"regional": true} compiles a UNet\'s transformer blocks once each (SDXL: ~17 s instead of '
             'minutes, a few % slower); {"fp8": true} runs linears in fp8 on Ada/Hopper (O3 does '
             'that by default there for models at least 2048 wide, e.g. Flux; {"fp8": false} keeps O3 in '
-            'bf16/fp16). '
+            'bf16/fp16); {"background": true} compiles a cold model in a separate process while sampling '
+            'runs uncompiled, then switches to the compiled model (no wait for the first image; needs '
+            'GPU memory for a second copy of the weights while it compiles). '
             "Validated when the prompt is queued.",
         )
     )

@@ -26,6 +26,7 @@ import nexfort_engine
 from nexfort_engine import counters
 from nexfort_engine.cache import ENV_CACHE_DIR
 from nexfort_engine.options import CompileConfig
+from nexfort_engine.regions import DropKeys
 from nexfort_engine.transfer import to_device_async
 
 log = logging.getLogger(__name__)
@@ -49,23 +50,14 @@ def cache_root() -> str:
     return folder_paths.get_system_user_directory("nexfort")
 
 
-#: keys ComfyUI's UNet writes into ``transformer_options`` per block; a block reads them only to look
-#: up attention patches for that position
-_POSITION_KEYS = ("block", "block_index")
-
-
-def comfy_block_hook(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Regional compilation of a UNet's transformer blocks: ``BasicTransformerBlock.forward`` reads
-    ``transformer_options["block"]`` (e.g. ``("input", 4)``) and ``["block_index"]``, so each of
-    SDXL's 70 blocks would trace its own graph although the values only matter to attention
-    patches. Without patches they are dropped from a shallow copy; with patches the block gets
-    them unchanged (correct, one graph per position)."""
-    to = kwargs.get("transformer_options")
-    if not isinstance(to, dict) or not any(k in to for k in _POSITION_KEYS):
-        return args, kwargs
-    if to.get("patches") or to.get("patches_replace"):
-        return args, kwargs
-    return args, {**kwargs, "transformer_options": {k: v for k, v in to.items() if k not in _POSITION_KEYS}}
+#: Regional compilation of a UNet's transformer blocks: ``BasicTransformerBlock.forward`` reads
+#: ``transformer_options["block"]`` (e.g. ``("input", 4)``) and ``["block_index"]``, so each of
+#: SDXL's 70 blocks would trace its own graph although the values only matter to attention
+#: patches. Without patches they are dropped from a shallow copy; with patches the block gets them
+#: unchanged (correct, one graph per position). An engine class, so a background compile's child
+#: process can rebuild it without importing this pack.
+comfy_block_hook = DropKeys(
+    option="transformer_options", keys=("block", "block_index"), unless=("patches", "patches_replace"))
 
 
 def _child_globals() -> tuple[tuple[str, str, Any], ...]:

@@ -44,6 +44,7 @@ VIEWPORT = {"width": 1280, "height": 800}
 COLORS = {
     "idle": (0x54, 0x6E, 0x7A),
     "compiling": (0x9A, 0x6B, 0x00),
+    "background": (0x6A, 0x4C, 0x93),
     "compiled": (0x2E, 0x7D, 0x32),
     "fallback": (0xB3, 0x26, 0x1E),
     "cache": (0x1F, 0x5F, 0xA8),
@@ -225,7 +226,7 @@ def _expected(stats: dict, node_id: int) -> tuple[str, tuple[str, ...]]:
     if not models:
         return "idle", ("not run yet",)
     states = [m.get("state") for m in models]
-    state = next((s for s in ("compiling", "fallback", "pending", "compiled") if s in states), "pending")
+    state = next((s for s in ("compiling", "background", "fallback", "pending", "compiled") if s in states), "pending")
     return state, (f"{sum(m.get('cache_hits', 0) for m in models)} cache hit",)
 
 
@@ -250,6 +251,7 @@ def test_badge_shows_real_state_of_compiled_workflow(page, server, compiled_stat
     ("state", "fallbacks", "skips", "texts"),
     [("idle", 0, 0, ("not run yet",)),
      ("compiling", 0, 0, ("compiling",)),
+     ("background", 0, 0, ("compiling in background",)),
      ("compiled", 0, 0, ("compiled", "3 cache hits")),
      ("fallback", 2, 0, ("fell back", "2 fallbacks")),
      ("compiled", 0, 2, ("compiled", "2 CUDA-graph skips"))],  # graphs run kernel by kernel

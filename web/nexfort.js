@@ -1,12 +1,12 @@
 // nexfort status badges for ComfyUI's front end.
 //
 // Shows, on our nodes, what the engine's counters say (GET /nexfort/stats, served by
-// nodes/routes.py): compile state (compiling / compiled / fell back) and cache hits for the
+// nodes/routes.py): compile state (compiling / compiling in background / compiled / fell back) and cache hits for the
 // Compile nodes, entries and hits for the Cache Manager. The same counters feed the Cache Manager
 // and the tests.
 //
 // Refreshes when a prompt starts/finishes or a node finishes, polls while a prompt runs (to catch
-// "compiling"), and once when our nodes appear. A missing route or a server error just hides the
+// "compiling") or a background compile runs, and once when our nodes appear. A missing route or a server error just hides the
 // badges: nothing throws into the UI.
 
 import { app } from "../../scripts/app.js";
@@ -20,6 +20,8 @@ const NODE_TYPES = new Set(["NexfortCompileModel", "NexfortCompileVAE", "Nexfort
 // Badge look per state: [label, background].
 const LOOK = {
   compiling: ["compiling…", "#9a6b00"],
+  // "background": true - a child process compiles while the model runs eager
+  background: ["compiling in background…", "#6a4c93"],
   compiled: ["compiled", "#2e7d32"],
   fallback: ["fell back", "#b3261e"],
   pending: ["pending", "#546e7a"],
@@ -27,11 +29,13 @@ const LOOK = {
   cache: ["cache", "#1f5fa8"],
 };
 // When one node produced several models, show the most urgent state.
-const PRIORITY = ["compiling", "fallback", "pending", "compiled"];
+const PRIORITY = ["compiling", "background", "fallback", "pending", "compiled"];
 
 let stats = null; // last good /nexfort/stats body, or null when unavailable
 let inflight = null;
 let pollTimer = null;
+// true while polling only because a background compile runs (no prompt running)
+let backgroundPoll = false;
 
 function classOf(node) {
   return node?.comfyClass ?? node?.constructor?.comfyClass ?? node?.type;
@@ -107,12 +111,14 @@ export function refresh() {
     } catch (e) {
       console.debug(`[${EXTENSION}] redraw failed`, e);
     }
+    followBackground();
     return stats;
   })();
   return inflight;
 }
 
 function startPolling() {
+  backgroundPoll = false;
   if (pollTimer === null) pollTimer = setInterval(refresh, POLL_MS);
   refresh();
 }
@@ -121,6 +127,20 @@ function stopPolling() {
   if (pollTimer !== null) clearInterval(pollTimer);
   pollTimer = null;
   refresh();
+}
+
+/** Keep polling after a prompt while a child process still compiles, until it is done. */
+function followBackground() {
+  const models = Object.values(stats?.engine?.models ?? {});
+  const running = models.some((m) => m?.state === "background");
+  if (running && pollTimer === null) {
+    backgroundPoll = true;
+    pollTimer = setInterval(refresh, POLL_MS);
+  } else if (!running && backgroundPoll) {
+    backgroundPoll = false;
+    clearInterval(pollTimer);
+    pollTimer = null;
+  }
 }
 
 function makeBadge(node) {

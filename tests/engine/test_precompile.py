@@ -105,6 +105,34 @@ def test_recorder_keeps_what_torch_saves_and_fingerprints_the_rest():
     assert dropped["self._modules['a']"].fingerprint == f"object:{__name__}.Outer.Inner"  # its type
 
 
+def test_key_presence_guards_fingerprint_the_key_not_the_whole_dict():
+    """Dynamo guards that a class attribute is absent (``DICT_NOT_CONTAINS`` on a class's
+    ``__dict__``, dropped: it walks the MRO). Once a ``torch.compile``'d call runs, Dynamo adds its
+    own attribute to ``nn.Module``: a process that loads the graph then has another key set than
+    the one that traced it (a background compile's parent), and the answer to the guard is the
+    same."""
+    import functools
+
+    guard = types.SimpleNamespace(create_fn=functools.partial(print, key="forward_hook_x"))
+    rec = precompile.GuardRecorder("self")
+    entry = _entry("dict(type(self).__mro__[0].__dict__)", "DICT_NOT_CONTAINS", {"a": 1})
+    entry.orig_guard = guard
+    rec([entry])
+    (d,) = rec.dropped
+    assert d.key == "forward_hook_x" and d.fingerprint == "contains:'forward_hook_x':False"
+    artifact = precompile.Artifact(compiled=None, dropped=[d], sources=[], namespace={}, self_name="self")
+
+    class M:
+        pass
+
+    m = M()
+    assert artifact._resolve(artifact._global, {"self": m}) is None
+    M.___needs_generation_tag_patch = False  # what Dynamo adds: the guard still passes
+    assert artifact._resolve(artifact._global, {"self": m}) is None
+    M.forward_hook_x = None  # the guarded key appears: it fails
+    assert "contains:'forward_hook_x':True" in artifact._resolve(artifact._global, {"self": m})
+
+
 def test_guard_sources_with_computed_fields_pickle_so_they_load():
     from torch._dynamo.source import DefaultsSource, LocalSource
 
