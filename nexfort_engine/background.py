@@ -49,7 +49,6 @@ import sys
 import threading
 import time
 import types
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -169,7 +168,11 @@ class Job:
     started: float = field(default_factory=time.monotonic)
 
     def done(self) -> bool:
-        return self.proc.poll() is not None
+        if self.proc.poll() is None:
+            return False
+        with _running_lock:
+            _running.pop(self.proc.pid, None)
+        return True
 
     def result(self) -> dict[str, Any]:
         """After :meth:`done`: the child's report, or ``{"crashed": why}`` if it wrote none."""
@@ -191,6 +194,8 @@ class Job:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+        self.done()
 
 
 def _tail(path: Path, lines: int = 3) -> str:
@@ -201,24 +206,16 @@ def _tail(path: Path, lines: int = 3) -> str:
     return " | ".join(line.strip()[:300] for line in text[-lines:])
 
 
-_running: weakref.WeakSet[Any] = weakref.WeakSet()
+#: children still running, by pid: stopped when this process exits
+_running: dict[int, Job] = {}
 _running_lock = threading.Lock()
 
 
 def _cancel_all() -> None:
     with _running_lock:
-        jobs = list(_running)
-    for holder in jobs:
-        job = getattr(holder, "job", None)
-        if job is not None:
-            job.cancel()
-
-
-class _Holder:
-    """Weak-referenceable box (Popen objects are not): the registry of running jobs."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
+        jobs = list(_running.values())
+    for job in jobs:
+        job.cancel()
 
 
 atexit.register(_cancel_all)
@@ -274,10 +271,8 @@ def start(
             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
         )
     job = Job(key=key, path=path, proc=proc)
-    holder = _Holder(job)
     with _running_lock:
-        _running.add(holder)
-    job._holder = holder  # type: ignore[attr-defined] - keeps the registry's weak entry alive
+        _running[proc.pid] = job
     log.info("nexfort: %s: compiling in a background process (pid %d; log %s)", label, proc.pid, path / LOG_FILE)
     return job
 
