@@ -116,7 +116,7 @@ def _none() -> None:
 
 def _stand_in(module: str, qualname: str, code: bytes) -> Callable[..., Any]:
     """The child's side of a function defined inside another function (a host's wrapper closure
-    among the call's options), which pickle cannot send: a function with the same module,
+    among the call's options) or a lambda, which pickle cannot send: a function with the same module,
     qualified name and code object - what a saved graph's guards compare - but empty globals and
     closure cells. Such functions are carried along, not called, by the models seen so far; a
     trace that does call one fails in the child, and the parent compiles in its foreground."""
@@ -135,7 +135,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return _reduce_tensor(obj)
-        if isinstance(obj, types.FunctionType) and "<locals>" in obj.__qualname__:
+        if isinstance(obj, types.FunctionType) and ("<locals>" in obj.__qualname__ or "<lambda>" in obj.__qualname__):
             return _stand_in, (obj.__module__, obj.__qualname__, marshal.dumps(obj.__code__))
         if self._skip and isinstance(obj, self._skip):
             return _none, ()

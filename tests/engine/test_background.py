@@ -41,6 +41,9 @@ class Net(torch.nn.Module):
         return self.b(torch.nn.functional.gelu(self.a(x))) * self.scale
 
 
+_LAMBDA = lambda x: x  # noqa: E731 - a module-level lambda: pickle cannot send it by name
+
+
 def _net() -> Net:
     torch.manual_seed(0)
     return Net().eval().requires_grad_(False)
@@ -77,7 +80,7 @@ def test_tensors_travel_as_values_or_metadata():
     class Skipped:
         pass
 
-    obj = {"net": net, "inf": inf, "big_t": big_t, "fn": local_fn, "skip": Skipped()}
+    obj = {"net": net, "inf": inf, "big_t": big_t, "fn": local_fn, "skip": Skipped(), "lam": _LAMBDA}
     back = pickle.loads(background.dumps(obj, skip=(Skipped,)))
 
     a, b = back["net"].a.weight, back["net"].b.weight
@@ -93,6 +96,7 @@ def test_tensors_travel_as_values_or_metadata():
     assert fn.__qualname__ == local_fn.__qualname__ and fn.__code__.co_code == local_fn.__code__.co_code
     with pytest.raises(NameError):
         fn(1)
+    assert back["lam"].__qualname__ == "<lambda>" and back["lam"].__code__.co_code == _LAMBDA.__code__.co_code
 
 
 def test_what_cannot_travel_is_named():
