@@ -142,3 +142,42 @@ def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
     per_call = demo._compiled_call_seconds(before, after)
     assert per_call is not None and 0 < per_call * steps < again.execution_seconds, (per_call, again.execution_seconds)
     assert demo._compiled_call_seconds(after, after) is None  # no calls in between: nothing to report
+
+
+def test_background_compile_through_the_server(comfy, nexfort_cache_dir):
+    """``"background": true`` in a real ComfyUI: the first prompt samples eager while a child
+    process compiles (it imports ComfyUI and the engine from the server's ``sys.path`` and parses
+    the server's command line); a prompt after the child is done runs the graph it committed,
+    with nothing compiled in the server."""
+    import time
+
+    graph = comfy_server.load_workflow(COMPILED_WORKFLOW)
+    node = comfy_server.find_node(graph, "NexfortCompileModel")
+    # O1: another cache entry than the other tests' O2 compiles, so this one starts cold
+    graph[node]["inputs"]["options"] = json.dumps({"mode": "O1", "background": True})
+
+    def record() -> dict:
+        models = [m for m in _engine(comfy)["models"].values() if m.get("config") == "cache-all:jit"]
+        assert len(models) == 1, _engine(comfy)["models"]
+        return models[0]
+
+    first = comfy.run(comfy_server.set_seed(graph, next(_seeds)), timeout=900)
+    assert first.status.get("status_str") == "success", first.status
+    assert first.images
+    rec = record()
+    assert rec["state"] == "background" and rec["background"].startswith("running"), rec
+    assert rec["compiles"] == 0 and rec["fallbacks"] == 0
+    job = nexfort_cache_dir / "jobs" / rec["cache_key"]
+    assert (job / "child.log").is_file()
+
+    deadline = time.monotonic() + 900  # the child writes its report as it finishes
+    while not (job / "result.json").is_file():
+        assert time.monotonic() < deadline, (job / "child.log").read_text()[-3000:]
+        time.sleep(2)
+    time.sleep(2)  # and exits
+
+    second = comfy.run(comfy_server.set_seed(graph, next(_seeds)), timeout=900)
+    assert second.status.get("status_str") == "success", second.status
+    rec = record()
+    assert rec["state"] == "compiled" and rec["background"].startswith("done in "), rec
+    assert rec["compiles"] == 0 and rec["cache_hits"] == 1 and rec["fallbacks"] == 0, rec
