@@ -171,3 +171,28 @@ def test_compiled_vae_folds_aligned_latents_and_images(patcher, vae, fresh_stats
         k: r["recompile_reasons"] for k, r in compiled.items()}
     per_method = cv.first_stage_model.inner.__dict__[patcher._ATTR]
     assert {cm._nx_fold for cm in per_method.values()} == {8}
+
+
+def test_compiled_vae_decode_in_the_background(patcher, vae, fresh_stats, tmp_path, monkeypatch):
+    """``"background": true`` on the VAE node: the decode method and ComfyUI's VAE model travel to
+    the child, which compiles ``decode`` (eager backend here: the child's run is what is checked);
+    decodes run eager meanwhile, then through the engine."""
+    import time
+
+    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(tmp_path))
+    cfg = nexfort_engine.parse_options({"backend": "eager", "background": True})
+    cv = patcher.compile_vae(vae, cfg, node_id="9")
+    lat = torch.randn(1, 4, 8, 12, generator=torch.Generator().manual_seed(1))
+    ref = vae.decode(lat)
+    assert tm.rel_err(cv.decode(lat), ref) <= TOL
+    (label, rec), = fresh_stats()["models"].items()
+    assert label.startswith("TAESD.decode") and rec["state"] == "background", rec
+    cm = vae.first_stage_model.__dict__[patcher._ATTR][f"{cfg.digest()}.decode"]
+    deadline = time.monotonic() + 300
+    while not cm._nx_job.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert tm.rel_err(cv.decode(lat), ref) <= TOL
+    rec = fresh_stats()["models"][label]
+    assert rec["background"].startswith("done in "), rec["background"]
+    assert rec["state"] == "compiled" and rec["fallbacks"] == 0
