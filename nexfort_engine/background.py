@@ -155,6 +155,41 @@ def dumps(obj: Any, skip: tuple[type, ...] = ()) -> bytes:
     return buf.getvalue()
 
 
+# -- device memory for the child's copy of the weights ------------------------------------------
+
+#: what the child needs on the device besides the weights: its CUDA context, the compile's
+#: workspace and one warm-up call's activations
+CHILD_OVERHEAD_BYTES = 3 << 30
+
+
+def weight_bytes(module: torch.nn.Module, device: torch.device) -> int:
+    """Bytes the child allocates on ``device`` for ``module``'s parameters and buffers there."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) in seen or t.device != device:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def memory_shortfall(module: torch.nn.Module, device: torch.device,
+                     free_fn: Callable[[torch.device], tuple[int, int]] | None = None) -> str | None:
+    """Why the device cannot hold the child's copy of the weights now (its free memory, as the
+    driver reports it, below the weights plus :data:`CHILD_OVERHEAD_BYTES`), or ``None``. A child
+    that ran out of memory would only fail; one that took the memory the sampling needs would fail
+    the user's run."""
+    if device.type != "cuda":
+        return None
+    free, _total = (free_fn or torch.cuda.mem_get_info)(device)
+    need = weight_bytes(module, device) + CHILD_OVERHEAD_BYTES
+    if free >= need:
+        return None
+    gib = 1 << 30
+    return f"{free / gib:.1f} GiB free on {device}, the child needs about {need / gib:.1f} GiB (a copy of the weights)"
+
+
 # -- the parent's side ------------------------------------------------------------------------
 
 

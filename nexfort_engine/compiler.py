@@ -674,6 +674,8 @@ class CompiledModule(torch.nn.Module):
         elif entry.committed(self._nx_env):
             counters.set_info(self._nx_label, background="off: the cache entry is warm")
             return False
+        elif (example := _first_tensor(args, kwargs)) is not None:
+            why = background.memory_shortfall(self._orig_mod, example.device)
         if why is None:
             assert entry is not None and self._nx_store is not None and settings is not None
             try:

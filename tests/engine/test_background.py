@@ -14,6 +14,7 @@ import importlib.util
 import pickle
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,29 @@ def test_block_hook_travels():
     assert to["block_index"] == 0  # the caller's dict is left as it was
     patched = {**to, "patches": {"attn1_patch": [print]}}
     assert hook((), {"transformer_options": patched})[1]["transformer_options"] is patched
+
+
+def test_device_memory_for_the_childs_weights_is_checked():
+    """The child allocates a copy of the weights: where the device has no room for it, the call
+    compiles in the foreground (a child taking the memory the sampling needs would fail the run)."""
+    net = _net()
+    cpu, cuda0 = torch.device("cpu"), torch.device("cuda", 0)
+    weights = sum(t.numel() * t.element_size() for t in [*net.parameters(), *net.buffers()])
+    assert background.weight_bytes(net, cpu) == weights and background.weight_bytes(net, cuda0) == 0
+    need = weights + background.CHILD_OVERHEAD_BYTES
+
+    def free(n: int):
+        return lambda _device: (n, 80 << 30)
+
+    assert background.memory_shortfall(net, cpu, free(0)) is None  # host memory is not checked
+    # the same tensors as seen on cuda:0 (this machine has no GPU)
+    on_cuda = types.SimpleNamespace(
+        parameters=lambda: [types.SimpleNamespace(device=cuda0, numel=t.numel, element_size=t.element_size)
+                            for t in [*net.parameters(), *net.buffers()]],
+        buffers=lambda: [])
+    assert background.memory_shortfall(on_cuda, cuda0, free(need)) is None
+    why = background.memory_shortfall(on_cuda, cuda0, free(need - 1))
+    assert why is not None and "GiB free on cuda:0" in why and "copy of the weights" in why
 
 
 def test_option_is_validated():
