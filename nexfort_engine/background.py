@@ -201,10 +201,15 @@ class Job:
     path: Path
     proc: subprocess.Popen[bytes]
     started: float = field(default_factory=time.monotonic)
+    #: when :meth:`done` first saw the child gone
+    finished: float | None = None
 
     def done(self) -> bool:
+        if self.finished is not None:
+            return True
         if self.proc.poll() is None:
             return False
+        self.finished = time.monotonic()
         with _running_lock:
             _running.pop(self.proc.pid, None)
         return True
@@ -219,7 +224,8 @@ class Job:
         if not isinstance(report, dict) or code != 0:
             tail = _tail(self.path / LOG_FILE)
             return {"crashed": f"exit code {code}; {tail or 'no output'} (log: {self.path / LOG_FILE})"}
-        report["wall_seconds"] = round(time.monotonic() - self.started, 3)
+        self.done()
+        report["wall_seconds"] = round((self.finished or time.monotonic()) - self.started, 3)
         return report
 
     def cancel(self) -> None:

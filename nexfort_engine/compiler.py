@@ -665,7 +665,7 @@ class CompiledModule(torch.nn.Module):
     def _start_background(self, args: tuple, kwargs: dict) -> bool:
         """Start compiling in a child process; ``False`` (and why, in the counters and the log)
         where this call compiles in the foreground instead: a warm entry loads faster here."""
-        entry, settings = self._nx_entry, self._nx_settings
+        entry = self._nx_entry
         why = None
         if entry is None or self._nx_store is None:
             why = "no cache directory (the child hands its compile over through the cache)"
@@ -677,7 +677,7 @@ class CompiledModule(torch.nn.Module):
         elif (example := _first_tensor(args, kwargs)) is not None:
             why = background.memory_shortfall(self._orig_mod, example.device)
         if why is None:
-            assert entry is not None and self._nx_store is not None and settings is not None
+            assert entry is not None and self._nx_store is not None
             try:
                 self._nx_job = background.start(
                     root=self._nx_store.root, key=entry.key, module=self._orig_mod, args=args, kwargs=kwargs,
