@@ -101,6 +101,8 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", fp8 linears left off ({m['fp8_skipped']})"
         lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "
                      f"hits={m['cache_hits']} ({how})")
+        if m.get("background"):  # "background": true - the child process compiling it, or why not
+            lines.append(f"    background compile: {m['background']}")
         for r in m["recompile_reasons"][-3:]:
             lines.append(f"    recompile: {r}")
         for r in m["fallback_reasons"][-3:]:

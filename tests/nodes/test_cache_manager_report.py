@@ -35,6 +35,9 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert "attentions in fp8" not in unet
     assert "fp8 linears left off (model width 1280 < 2048)" in unet and "left off" not in pixart
     assert "recompile: 0/0: tensor 'x' rank mismatch" in text
+    assert "background compile" not in text  # the option was off
+    counters.set_info("UNetModel:aa", background="done in 147.3s")
+    assert "    background compile: done in 147.3s" in cache_manager.report(CacheStore(tmp_path))
     assert nexfort_engine.stats()["models"]["UNetModel:aa"]["spatial_multiple"] == 8
 
 
