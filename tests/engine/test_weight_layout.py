@@ -141,13 +141,17 @@ def test_regional_compile_converts_only_the_compiled_blocks_convs(monkeypatch, c
     net = _RegionalNet(conv_blocks).eval().requires_grad_(False)
     x = torch.randn(1, 8, 6, 6)
     cm = nexfort_engine.compile(net, {"mode": "O2", "regional": True}, cache_dir=None)
-    cm._setup(x)  # decides and converts; nothing is compiled before the first call
+    cm._setup(x)  # decides; nothing is compiled or converted before the first compiled call
+    assert not any(b.conv.weight.is_contiguous(memory_format=CL) for b in net.blocks if b.conv is not None)  # eager calls keep the layout
+    if cm._nx_conv_weights is not None:
+        cm._refresh_conv_weights()  # what every compiled call does first
     assert [r.name for r in cm._nx_regions] == ["blocks[_Blockx4]"]
     assert not any(c.weight.is_contiguous(memory_format=CL) for c in net.glue)
     assert all(b.conv.weight.is_contiguous(memory_format=CL) for b in net.blocks) if conv_blocks else True
     assert (cm._nx_conv_weights is not None) is conv_blocks
     whole = nexfort_engine.compile(net, {"mode": "O2", "regional": False}, cache_dir=None)
     whole._setup(x)
+    whole._refresh_conv_weights()
     assert all(c.weight.is_contiguous(memory_format=CL) for c in net.glue)
 
 
