@@ -10,7 +10,6 @@ for ComfyUI's UNet driven by ComfyUI's sampler through the node layer.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import pickle
 import threading
 import time
@@ -24,7 +23,6 @@ import nexfort_engine
 from nexfort_engine import background
 from nexfort_engine.options import OptionsError, parse_options
 
-REPO = Path(__file__).resolve().parents[2]
 #: a child compiling on this 2-core machine: Python and torch start, then Inductor
 CHILD_TIMEOUT_S = 600
 
@@ -243,15 +241,10 @@ def test_parent_runs_what_the_child_compiled(tmp_path, fresh_stats, clean_dynamo
 
 @pytest.fixture
 def patcher(comfy_inproc):
-    name = "_nexfort_nodes_patcher_bg"
-    spec = importlib.util.spec_from_file_location(name, REPO / "nodes" / "patcher.py")
-    mod = importlib.util.module_from_spec(spec)
-    import sys
+    from pack_modules import nodes_module
 
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(name, None)
+    with nodes_module("patcher", pkg="_nexfort_pack_bg") as mod:
+        yield mod
 
 
 @pytest.mark.inductor

@@ -2,19 +2,17 @@
 
 ComfyUI has a top-level ``nodes`` module of its own, so the pack's ``nodes`` package is never
 imported as ``nodes`` here: ``patcher.py`` (which needs only torch, the engine and, lazily,
-``comfy``) is loaded from its file as ``_nexfort_nodes_patcher``.
+``comfy``) is loaded through ``pack_modules.nodes_module`` under a throw-away package name.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent.parent
-REPO = TESTS.parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
@@ -24,13 +22,10 @@ import nexfort_engine  # noqa: E402
 
 @pytest.fixture(scope="session")
 def patcher(comfy_inproc):
-    name = "_nexfort_nodes_patcher"
-    spec = importlib.util.spec_from_file_location(name, REPO / "nodes" / "patcher.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(name, None)
+    from pack_modules import nodes_module
+
+    with nodes_module("patcher", pkg="_nexfort_pack_nodes_tests") as mod:
+        yield mod
 
 
 @pytest.fixture(autouse=True)
