@@ -662,7 +662,7 @@ class CompiledModule(torch.nn.Module):
             self._nx_store.evict(keep=entry.key)
 
     # -- background compile (background.py)
-    def _start_background(self, args: tuple, kwargs: dict) -> bool:
+    def _start_background(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> bool:
         """Start compiling in a child process; ``False`` (and why, in the counters and the log)
         where this call compiles in the foreground instead: a warm entry loads faster here."""
         entry = self._nx_entry
@@ -674,7 +674,7 @@ class CompiledModule(torch.nn.Module):
         elif entry.committed(self._nx_env):
             counters.set_info(self._nx_label, background="off: the cache entry is warm")
             return False
-        elif (example := _first_tensor(args, kwargs)) is not None:
+        elif example is not None:
             why = background.memory_shortfall(self._orig_mod, example.device)
         if why is None:
             assert entry is not None and self._nx_store is not None
@@ -754,8 +754,9 @@ class CompiledModule(torch.nn.Module):
                         prewarm.wait()
                         before = frozenset(sys.modules)
                         if self._nx_compiled is None:
-                            self._setup(_first_tensor(args, kwargs))
-                            if self._nx_config.background and self._start_background(args, kwargs):
+                            example = _first_tensor(args, kwargs)
+                            self._setup(example)
+                            if self._nx_config.background and self._start_background(args, kwargs, example):
                                 return self._eager(*args, **kwargs)
                         self._nx_first_pending = False
                         out = self._first_call(args, kwargs)
