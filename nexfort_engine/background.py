@@ -275,12 +275,16 @@ def start(
     block_hook: Callable[..., Any] | None,
     skip: tuple[type, ...] = (),
     child_globals: Sequence[tuple[str, str, Any]] = (),
+    part: tuple[int, int] | None = None,
+    threads: int | None = None,
 ) -> Job:
     """Pickle the job and start the child; raises :class:`Unavailable` (nothing started) if the
     module or the inputs cannot travel. ``config`` is the engine's CompileConfig (with
     ``background`` off: the child compiles in its foreground). ``child_globals``: ``(module,
     attribute, value)`` set in the child before the job loads (a host's parsed command line, which
-    its modules read when imported)."""
+    its modules read when imported). ``part``: ``(index, count)`` for a compile worker
+    (split.py), which writes that part of the traced graph and commits nothing; ``threads``: the
+    child's Inductor compile threads."""
     payload = {
         "module": module,
         "args": args,
@@ -291,11 +295,12 @@ def start(
         "block_hook": block_hook,
         "grad": torch.is_grad_enabled(),
         "inference": torch.is_inference_mode_enabled(),
+        "part": part,
     }
     data = dumps(payload, skip)
     path = Path(root) / JOBS / key
     path.mkdir(parents=True, exist_ok=True)
-    for name in (RESULT_FILE, JOB_FILE):
+    for name in (RESULT_FILE, JOB_FILE, "part.bin"):
         with contextlib.suppress(OSError):
             (path / name).unlink()
     header = {"sys_path": [p for p in sys.path if isinstance(p, str)], "root": str(root), "parent": os.getpid(),
@@ -306,6 +311,8 @@ def start(
     env = dict(os.environ)
     here = str(Path(__file__).resolve().parent.parent)  # the directory holding nexfort_engine
     env["PYTHONPATH"] = os.pathsep.join([here, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    if threads is not None:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
     with open(path / LOG_FILE, "wb") as logf:
         proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(path / JOB_FILE)],
@@ -314,7 +321,11 @@ def start(
     job = Job(key=key, path=path, proc=proc)
     with _running_lock:
         _running[proc.pid] = job
-    log.info("nexfort: %s: compiling in a background process (pid %d; log %s)", label, proc.pid, path / LOG_FILE)
+    if part is None:
+        log.info("nexfort: %s: compiling in a background process (pid %d; log %s)", label, proc.pid, path / LOG_FILE)
+    else:
+        log.info("nexfort: %s: compile worker for part %d of %d (pid %d; log %s)", label, part[0], part[1], proc.pid,
+                 path / LOG_FILE)
     return job
 
 
@@ -341,9 +352,6 @@ def child_main(job_file: str) -> int:
     """Compile the job in ``job_file`` and write its report next to it (exit code 0), or exit non-zero."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     path = Path(job_file)
-    if hasattr(os, "nice"):  # the parent's eager steps keep their CPU time; the compile takes the rest
-        with contextlib.suppress(OSError):
-            os.nice(NICE)
     with open(path, "rb") as f:
         header = pickle.load(f)
         _watch_parent(int(header["parent"]))
@@ -363,6 +371,17 @@ def child_main(job_file: str) -> int:
 
     cm = nx_compile(payload["module"], payload["config"], cache_dir=header["root"], label=payload["label"],
                     method=payload["method"], block_hook=payload["block_hook"])
+    if payload.get("part") is not None:  # a compile worker: the parent waits for it (no nice)
+        index, count = payload["part"]
+        t1 = time.perf_counter()
+        with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
+            why = cm.compile_part(payload["args"], payload["kwargs"], index, count, path.parent / "part.bin")
+        _write_result(path.parent / RESULT_FILE, {"error": why, "part": index, "load_seconds": round(load_s, 3),
+                                                   "compile_seconds": round(time.perf_counter() - t1, 3)})
+        return 0
+    if hasattr(os, "nice"):  # the parent's eager steps keep their CPU time; the compile takes the rest
+        with contextlib.suppress(OSError):
+            os.nice(NICE)
     t1 = time.perf_counter()
     with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
         cm(*payload["args"], **payload["kwargs"])

@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import background, collector, counters, precompile, prewarm, regions, shapes
+from . import background, collector, counters, precompile, prewarm, regions, shapes, split
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR, atomic_write_bytes
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
@@ -172,6 +173,11 @@ class CompiledModule(torch.nn.Module):
         self._nx_recompile_reason: str | None = None
         self._nx_aot_used = False
         self._nx_cudagraphs = False
+        #: the traced graph is cut into this many parts (split.py; set while tracing), compiled by
+        #: these children (part index -> job); in a child: (its part, where to write it)
+        self._nx_parts = 1
+        self._nx_part_jobs: dict[int, background.Job] = {}
+        self._nx_part_child: tuple[int, Any] | None = None
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
         self._nx_fp8: ModuleWeights | None = None
         #: channels-last conv weights (weight_layout.py), refreshed before every compiled call
@@ -226,11 +232,87 @@ class CompiledModule(torch.nn.Module):
             if n := rewrite_attentions(gm):
                 self._nx_fp8_attentions += n
                 counters.set_info(self._nx_label, attention_fp8=self._nx_fp8_attentions)
-        compiled = self._compile_graph(gm, example_inputs)
-        if self._nx_aot:
-            compiled = precompile.serializable(compiled)
+        if self._nx_parts > 1:
+            try:
+                compiled = self._compile_split(gm, example_inputs)
+            except Exception as e:
+                if isinstance(e, split.PartDone) or self._nx_part_child is not None or type(e).__name__ in PASSTHROUGH:
+                    raise
+                counters.set_info(self._nx_label, compile_parts=f"off: {type(e).__name__}: {str(e)[:200]}")
+                log.warning("nexfort: %s: cutting the graph failed, compiling it whole (%s: %s)", self._nx_label,
+                            type(e).__name__, e)
+                compiled = precompile.serializable(self._compile_graph(gm, example_inputs))
+        else:
+            compiled = self._compile_graph(gm, example_inputs)
+            if self._nx_aot:
+                compiled = precompile.serializable(compiled)
         self._nx_graphs += 1
         return compiled
+
+    # -- a graph cut into parts compiled by several processes (split.py)
+    def _compile_split(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """Cut the traced graph into ``self._nx_parts`` parts; compile the parts no child compiles,
+        collect the others from the children (or compile them here where a child did not deliver)."""
+        label, count = self._nx_label, self._nx_parts
+        cut = split.split(gm, count)
+        if cut is None:
+            counters.set_info(label, compile_parts=f"off: the graph is too small to cut in {count}")
+            if self._nx_part_child is not None:
+                raise split.PartDone("the graph is not cut: nothing to compile in a child")
+            return precompile.serializable(self._compile_graph(gm, example_inputs))
+        shape_env = split.shape_env_of([v for p in cut.parts for v in p.inputs])
+        if self._nx_part_child is not None:  # a child: its own part only, written for the parent
+            index, out = self._nx_part_child
+            part = cut.parts[index]
+            start = len(shape_env.guards) if shape_env is not None else 0
+            data = split.compile_part(part, self._compile_graph)
+            atomic_write_bytes(out, split.dump_part(index, part.fingerprint(), data,
+                                                    split.guards_since(shape_env, start)))
+            raise split.PartDone(f"part {index} of {count} written")
+        jobs = self._nx_part_jobs
+        blobs: list[bytes | None] = [None] * count
+        t0 = time.perf_counter()
+        for part in cut.parts:
+            if part.index not in jobs:
+                blobs[part.index] = split.compile_part(part, self._compile_graph)
+        own_s = time.perf_counter() - t0
+        from_children, here = 0, []
+        for index, job in sorted(jobs.items()):
+            part = cut.parts[index]
+            got, why = self._collect_part(job, part, shape_env)
+            if got is None:
+                here.append(f"part {index} compiled here: {why}")
+                log.warning("nexfort: %s: part %d of %d compiled here (%s)", label, index, count, why)
+                got = split.compile_part(part, self._compile_graph)
+            else:
+                from_children += 1
+            blobs[index] = got
+        counters.set_info(label, compile_parts="; ".join([f"{count} parts, {from_children} from child processes",
+                                                          *here]),
+                          compile_parts_own_seconds=round(own_s, 3),
+                          compile_parts_wait_seconds=round(time.perf_counter() - t0 - own_s, 3))
+        return split.SplitCallable(cut.plan, [b for b in blobs if b is not None])
+
+    def _collect_part(self, job: background.Job, part: split.Part, shape_env: Any) -> tuple[bytes | None, str]:
+        """Wait for a child's part; its compiled bytes once its graph matches and its guards hold here."""
+        deadline = time.monotonic() + split.CHILD_TIMEOUT_S
+        while not job.done():
+            if time.monotonic() > deadline:
+                job.cancel()
+                return None, f"its child took more than {split.CHILD_TIMEOUT_S:.0f}s"
+            time.sleep(0.05)
+        report = job.result()
+        if report.get("crashed") or report.get("error"):
+            return None, str(report.get("crashed") or report.get("error"))
+        try:
+            got = split.load_part((job.path / split.PART_FILE).read_bytes())
+        except (OSError, ValueError, pickle.UnpicklingError) as e:
+            return None, f"its result is unreadable ({type(e).__name__}: {e})"
+        if got["index"] != part.index or got["fingerprint"] != part.fingerprint():
+            return None, "the child traced another graph"
+        if (why := split.apply_guards(shape_env, got["guards"])) is not None:
+            return None, why
+        return got["compiled"], ""
 
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         backend = self._nx_config.backend
@@ -451,19 +533,17 @@ class CompiledModule(torch.nn.Module):
     def _aot_compile(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> precompile.Artifact | None:
         """Trace ``(args, kwargs)`` into one saved graph and load it back (``None``: the model
         cannot be traced so; noted in the entry, and torch.compile is used)."""
-        trace_args, trace_kwargs = shapes.detached(args, kwargs)
-        if self._nx_config.dynamic:
-            shapes.mark_dynamic_dims(trace_args, trace_kwargs)
-        trace_args = shapes.fold_spatial(trace_args, self._nx_fold)
         target = self._aot_target(example)
-        self_name = next(iter(inspect.signature(target).parameters), None)
         graphs0 = self._nx_graphs
         taken = {p.name for p in precompile.files(self._aot_dir())}
         path = next(self._aot_dir() / f"{i}.bin" for i in range(MAX_PRECOMPILED + len(taken) + 1)
                     if f"{i}.bin" not in taken)
         try:
-            compiled, recorder = precompile.trace(target, (self._orig_mod, *trace_args), trace_kwargs,
-                                                  self._backend, self_name)
+            self._start_parts(args, kwargs, example)
+            try:
+                compiled, recorder = self._aot_trace(args, kwargs, example)
+            finally:
+                self._stop_parts()
             data = precompile.to_bytes(compiled, recorder)
             atomic_write_bytes(path, data)
             artifact = precompile.from_bytes(data, target.__globals__, self._inductor_patches())
@@ -481,6 +561,78 @@ class CompiledModule(torch.nn.Module):
         counters.set_info(self._nx_label, precompiled_graphs=len(self._nx_aot_artifacts),
                           precompiled_guards_dropped=len(recorder.dropped))
         return artifact
+
+    def _aot_trace(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> tuple[Any, Any]:
+        """Trace ``(args, kwargs)`` with the engine's backend: ``precompile.trace``'s result."""
+        trace_args, trace_kwargs = shapes.detached(args, kwargs)
+        if self._nx_config.dynamic:
+            shapes.mark_dynamic_dims(trace_args, trace_kwargs)
+        trace_args = shapes.fold_spatial(trace_args, self._nx_fold)
+        target = self._aot_target(example)
+        self_name = next(iter(inspect.signature(target).parameters), None)
+        return precompile.trace(target, (self._orig_mod, *trace_args), trace_kwargs, self._backend, self_name)
+
+    # -- compile workers (split.py): children that compile parts of the graph traced next
+    def _start_parts(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> None:
+        """Start the children for the trace about to run; the cut count is what could start."""
+        self._nx_parts, self._nx_part_jobs = 1, {}
+        wanted = split.workers(self._nx_config.compile_workers, self._nx_config.backend, example)
+        entry = self._nx_entry
+        if wanted < 2 or entry is None or self._nx_store is None:
+            return
+        children, why = wanted - 1, ""
+        if example is not None:
+            fit = split.children_that_fit(self._orig_mod, example.device)
+            if fit < children:
+                children, why = fit, f"device memory for {fit} child(ren)"
+        count = children + 1
+        threads = split.child_threads(count)
+        for index in range(1, count):
+            try:
+                job = background.start(
+                    root=self._nx_store.root, key=f"{entry.key}.part{index}", module=self._orig_mod, args=args,
+                    kwargs=kwargs, config=dataclasses.replace(self._nx_config, background=False), label=self._nx_name,
+                    method=self._nx_method, block_hook=None, skip=(CompiledModule,),
+                    child_globals=self._nx_child_globals, part=(index, count), threads=threads,
+                )
+            except (background.Unavailable, OSError) as e:
+                why = f"cannot hand the model to a child process: {e}"
+                break
+            self._nx_part_jobs[index] = job
+        if not self._nx_part_jobs:
+            counters.set_info(self._nx_label, compile_parts=f"off: {why or 'no child started'}")
+            log.warning("nexfort: %s: compiling the graph whole (%s)", self._nx_label, why)
+            return
+        self._nx_parts = len(self._nx_part_jobs) + 1
+        if self._nx_parts < wanted:
+            log.info("nexfort: %s: %d compile workers, not %d (%s)", self._nx_label, self._nx_parts, wanted, why)
+
+    def _stop_parts(self) -> None:
+        jobs, self._nx_part_jobs, self._nx_parts = self._nx_part_jobs, {}, 1
+        for job in jobs.values():
+            job.cancel()
+
+    def compile_part(self, args: tuple, kwargs: dict, index: int, count: int, out: Any) -> str | None:
+        """In a compile worker (a child process): trace the call as the parent does, compile part
+        ``index`` of ``count`` and write it to ``out``; ``None`` when written, else why not."""
+        example = _first_tensor(args, kwargs)
+        if self._nx_memory_format is not None:
+            args, kwargs = shapes.to_memory_format(args, kwargs, self._nx_memory_format)
+        self._setup(example)
+        if not self._nx_aot:
+            return "the model is not compiled as one precompiled graph here"
+        if self._nx_conv_weights is not None:  # the parent traces with them converted
+            self._refresh_conv_weights()
+        self._nx_parts, self._nx_part_child = count, (index, out)
+        try:
+            with self._scope():
+                self._aot_trace(args, kwargs, example)
+        except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's signal
+            done = next((x for x in _exception_chain(e) if isinstance(x, split.PartDone)), None)
+            if done is None:
+                raise
+            return None if str(done).endswith("written") else str(done)
+        return "the trace ended without compiling anything"
 
     def _aot_unsupported(self, reason: str) -> None:
         counters.set_info(self._nx_label, precompiled=f"off: {reason}")

@@ -69,6 +69,11 @@ class _Record:
     #: "crashed: <why>" or "off: <why>"; the child's wall time until it was done
     background: str = ""
     background_seconds: float = 0.0
+    #: ``"compile_workers"`` (split.py): "N parts, M from child processes[; part i compiled here: why]"
+    #: or "off: <why>"; the seconds the caller spent compiling its own parts, then waiting for the rest
+    compile_parts: str = ""
+    compile_parts_own_seconds: float = 0.0
+    compile_parts_wait_seconds: float = 0.0
     updated: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
@@ -97,6 +102,9 @@ class _Record:
             precompiled_guards_dropped=self.precompiled_guards_dropped,
             background=self.background,
             background_seconds=round(self.background_seconds, 3),
+            compile_parts=self.compile_parts,
+            compile_parts_own_seconds=round(self.compile_parts_own_seconds, 3),
+            compile_parts_wait_seconds=round(self.compile_parts_wait_seconds, 3),
             updated=self.updated,
         )
         return d

@@ -88,6 +88,7 @@ TOP_LEVEL_KEYS = (
     "fused_rope",
     "fp8_attention",
     "background",
+    "compile_workers",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -148,6 +149,10 @@ class CompileConfig:
     #: a cold compile runs in a child process while calls run eager, the compiled graphs are
     #: loaded from the cache once it is done (background.py); a warm cache loads at the first call
     background: bool = False
+    #: processes a whole-graph cold compile is spread over (split.py): the traced graph is cut into
+    #: this many parts, compiled at once by child processes and the caller; None = auto, 1 = one
+    #: graph compiled in the caller
+    compile_workers: int | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -216,6 +221,18 @@ def _as_spatial_multiple(value: Any) -> int | None:
         return value
     raise OptionsError(
         f"'spatial_multiple' must be null (auto) or one of {_choices(SPATIAL_MULTIPLES)}, got {value!r}"
+    )
+
+
+#: the most processes a compile is spread over (``compile_workers``)
+MAX_COMPILE_WORKERS = 32
+
+
+def _as_workers(value: Any) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_COMPILE_WORKERS):
+        return value
+    raise OptionsError(
+        f"'compile_workers' must be null (auto) or a whole number from 1 to {MAX_COMPILE_WORKERS}, got {value!r}"
     )
 
 
@@ -312,6 +329,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         fused_rope=_as_optional_bool("fused_rope", options.get("fused_rope")),
         fp8_attention=_as_optional_bool("fp8_attention", options.get("fp8_attention")),
         background=_as_bool("background", options.get("background", False)),
+        compile_workers=_as_workers(options.get("compile_workers")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

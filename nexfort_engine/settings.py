@@ -155,6 +155,7 @@ class Settings:
         d.pop("fp8", None)
         d.pop("regional", None)
         d.pop("background", None)  # where it compiles, not what: a background compile fills the same entry
+        d.pop("compile_workers", None)  # how many processes compile, not what runs: any count fills one entry
         d.pop("spatial_multiple", None)  # the effective multiple is in the structure key (compiler.py)
         if self.fp8:
             d["fp8"] = True

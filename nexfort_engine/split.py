@@ -1,0 +1,347 @@
+"""One traced graph compiled as consecutive parts, the parts compiled in parallel processes.
+
+What: with ``"compile_workers": N`` (N > 1), the graph Dynamo traces from a whole model is cut into N
+consecutive parts of about equal node count (:func:`split`, torch.fx's ``split_module``). Each part
+is compiled by AOTAutograd and Inductor on its own: N - 1 of them in child processes started when
+the trace starts (:mod:`nexfort_engine.background` carries the model and the call's inputs there;
+every child traces the same graph, cuts it the same way and compiles only its own part), one in
+the caller's process. The caller collects the children's compiled parts as bytes, adds the size
+guards each part's compile made to its own shape environment (:func:`apply_guards`), and returns a
+:class:`SplitCallable`: a fixed plan that calls the parts in order and passes values between them.
+It saves and loads as the whole graph's compiled function would, so warm starts are unchanged.
+
+Why: AOTAutograd's and Inductor's work on one graph runs on a single Python thread. A dynamic-shape
+UNet's cold compile is mostly that work (SDXL: 128 of 175 s on an H200, BENCHMARKS.md twenty-first
+session), and it grows with the node count, so N processes divide it by about N. What is not
+divided: starting a child (importing torch and the host's model classes), the trace (each child
+traces too, at the same time as the caller), and loading the parts.
+
+What a cut costs at run time: kernels do not fuse across a cut (cuts fall between nodes, N - 1 of
+them), and under CUDA graphs each part is its own recorded graph, replayed one after another.
+
+Safety: a part whose graph differs from the caller's (fingerprint), whose guards do not hold here,
+or whose child failed, is compiled in the caller's process instead. Cutting only needs every value
+crossing a cut to carry Dynamo's example value (its fake tensor); a graph without them is compiled
+whole (:func:`split` returns ``None``).
+
+Twin: the whole graph compiled at once (``"compile_workers": 1``, the default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import operator
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+#: a graph with fewer compute nodes than this per part is not cut (each part costs a child's start)
+MIN_NODES_PER_PART = 64
+#: op codes that are bookkeeping, not compute: not counted when balancing the parts
+_FREE_OPS = ("placeholder", "output", "get_attr")
+
+
+#: a child's compiled part, in its job directory
+PART_FILE = "part.bin"
+#: a child that has not delivered its part by then is stopped, and the part compiled here
+CHILD_TIMEOUT_S = 1800.0
+#: what a compile worker needs on the device besides its copy of the weights: its CUDA context
+#: (it traces and compiles; it never runs the model)
+CHILD_OVERHEAD_BYTES = 1 << 30
+
+
+def workers(option: int | None, backend: str, example: torch.Tensor | None) -> int:
+    """How many processes (the caller included) compile a traced graph: the option, else (auto) 1."""
+    if backend != "inductor":
+        return 1
+    if option is not None:
+        return option
+    return 1
+
+
+def children_that_fit(module: torch.nn.Module, device: torch.device,
+                      free_fn: Callable[[torch.device], tuple[int, int]] | None = None) -> int:
+    """How many compile workers' copies of the weights fit in ``device``'s free memory now."""
+    if device.type != "cuda":
+        return 1 << 16
+    from .background import weight_bytes
+
+    free, _total = (free_fn or torch.cuda.mem_get_info)(device)
+    return int(free // (weight_bytes(module, device) + CHILD_OVERHEAD_BYTES))
+
+
+def child_threads(count: int) -> int:
+    """Inductor compile threads per child: the machine's cores shared among ``count`` processes."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // count)
+
+
+class PartDone(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by a child's backend once its own part is compiled and written: ends the trace."""
+
+
+@dataclass
+class Part:
+    """One part of a split graph: its graph module and the fake values of its inputs."""
+
+    index: int
+    module: fx.GraphModule
+    inputs: list[Any]
+    #: whether the part returned one value before its output was made a tuple
+    single: bool
+
+    def fingerprint(self) -> str:
+        """Equal in two processes exactly when the part's code and input metadata are."""
+        h = hashlib.sha256(self.module.code.encode())
+        for v in self.inputs:
+            h.update(_describe(v).encode())
+        return h.hexdigest()[:24]
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"T({v.dtype},{v.device},{tuple(map(str, v.shape))},{tuple(map(str, v.stride()))})"
+    return f"{type(v).__name__}({v})"
+
+
+@dataclass
+class Split:
+    """A graph cut into parts, and the plan that runs them."""
+
+    parts: list[Part]
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the parts run: slots ``[0, n_args)`` are the call's arguments, then each part's outputs.
+
+    ``steps``: per part, ``(input slots, first output slot, output count, slots freed after it)``;
+    ``outputs``: per returned value, ``("slot", i)`` or ``("const", value)``."""
+
+    n_args: int
+    steps: tuple[tuple[tuple[int, ...], int, int, tuple[int, ...]], ...]
+    outputs: tuple[tuple[str, Any], ...]
+
+    @property
+    def n_slots(self) -> int:
+        return self.n_args + sum(n for _ins, _start, n, _free in self.steps)
+
+    def run(self, fns: Sequence[Callable[..., Any]], args: Sequence[Any]) -> tuple[Any, ...]:
+        slots: list[Any] = [*args, *([None] * (self.n_slots - self.n_args))]
+        for fn, (ins, start, n, free) in zip(fns, self.steps, strict=True):
+            outs = fn(*[slots[i] for i in ins])
+            slots[start:start + n] = list(outs)[:n]
+            for i in free:
+                slots[i] = None
+        return tuple(slots[v] if kind == "slot" else v for kind, v in self.outputs)
+
+
+def _weight(node: fx.Node) -> int:
+    if node.op in _FREE_OPS or (node.op == "call_function" and node.target is operator.getitem):
+        return 0
+    return 1
+
+
+def assign(gm: fx.GraphModule, n: int) -> dict[fx.Node, int] | None:
+    """Node -> part for ``n`` consecutive parts of about equal compute-node count (graph order is
+    topological, so every value flows forward), or ``None`` if the graph is too small to cut."""
+    nodes = [node for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
+    total = sum(_weight(node) for node in nodes)
+    if n < 2 or total < n * MIN_NODES_PER_PART:
+        return None
+    out: dict[fx.Node, int] = {}
+    seen = 0
+    for node in nodes:
+        part = min(n - 1, seen * n // total)
+        out[node] = part
+        seen += _weight(node)
+    # a get_attr goes with its first user (split_module copies the attribute into that part)
+    for node in nodes:
+        if node.op == "get_attr" and node.users:
+            out[node] = min(out[u] for u in node.users if u in out) if any(u in out for u in node.users) else out[node]
+    if len(set(out.values())) < n:
+        return None
+    return out
+
+
+def _example(node: fx.Node) -> Any:
+    """Dynamo's fake value for a node (a tensor, a SymInt or a plain value); KeyError if none."""
+    for key in ("example_value", "val"):
+        if key in node.meta:
+            return node.meta[key]
+    raise KeyError(node.name)
+
+
+def split(gm: fx.GraphModule, n: int) -> Split | None:
+    """Cut ``gm`` into ``n`` parts (see :func:`assign`), each returning a tuple, with the fake
+    values of their inputs; ``None`` where the graph is too small or lacks example values."""
+    mapping = assign(gm, n)
+    if mapping is None:
+        return None
+    from torch._dynamo.backends.distributed import propagate_dynamo_source, propagate_metadata
+    from torch.fx.passes.split_module import split_module
+
+    outer = split_module(gm, None, lambda node: mapping[node], keep_original_order=True)
+    if hasattr(gm, "_param_name_to_source"):
+        propagate_dynamo_source(gm, outer)
+        propagate_metadata(gm, outer)
+    calls = [node for node in outer.graph.nodes if node.op == "call_module"]
+    if len(calls) != n:
+        return None
+    placeholders = [node for node in outer.graph.nodes if node.op == "placeholder"]
+    slot: dict[fx.Node, int] = {node: i for i, node in enumerate(placeholders)}
+    next_slot = len(placeholders)
+    parts: list[Part] = []
+    steps: list[tuple[tuple[int, ...], int, int, tuple[int, ...]]] = []
+    for index, call in enumerate(calls):
+        module = getattr(outer, str(call.target))
+        out_node = next(node for node in module.graph.nodes if node.op == "output")
+        single = not isinstance(out_node.args[0], (tuple, list))
+        if single:
+            out_node.args = ((out_node.args[0],),)
+            module.recompile()
+        n_out = len(out_node.args[0])
+        try:
+            inputs = [_example(node) for node in module.graph.nodes if node.op == "placeholder"]
+        except KeyError as e:
+            log.info("nexfort: not cutting the graph: value %s has no example value", e)
+            return None
+        if any(not isinstance(a, fx.Node) for a in call.args) or call.kwargs:
+            return None
+        ins = tuple(slot[a] for a in call.args)
+        start = next_slot
+        next_slot += n_out
+        if single:
+            slot[call] = start
+        else:
+            for user in call.users:
+                if user.op != "call_function" or user.target is not operator.getitem:
+                    return None
+                slot[user] = start + int(user.args[1])
+        parts.append(Part(index=index, module=module, inputs=inputs, single=single))
+        steps.append((ins, start, n_out, ()))
+    out_args = next(node for node in outer.graph.nodes if node.op == "output").args[0]
+    if not isinstance(out_args, (tuple, list)):
+        out_args = (out_args,)
+    outputs = tuple(("slot", slot[a]) if isinstance(a, fx.Node) else ("const", a) for a in out_args)
+    # free each intermediate value after its last reader (a returned one is kept)
+    last: dict[int, int] = {}
+    for i, (ins, _s, _n, _f) in enumerate(steps):
+        for s in ins:
+            if s >= len(placeholders):
+                last[s] = i
+    kept = {v for kind, v in outputs if kind == "slot"}
+    steps = [(ins, start, n_out, tuple(sorted(s for s, i in last.items() if i == k and s not in kept)))
+             for k, (ins, start, n_out, _f) in enumerate(steps)]
+    return Split(parts=parts, plan=Plan(n_args=len(placeholders), steps=tuple(steps), outputs=outputs))
+
+
+# -- compiling a part, and what travels from a child -------------------------------------------
+
+
+def compile_part(part: Part, compile_fn: Callable[[fx.GraphModule, list[Any]], Any]) -> bytes:
+    """Compile one part with ``compile_fn`` (Inductor's ``compile_fx`` with the engine's patches)
+    in a tracing context of its own, and return its compiled function serialised."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+
+    fake_mode = detect_fake_mode(part.inputs)
+    with tracing(TracingContext(fake_mode)):
+        compiled = compile_fn(part.module, list(part.inputs))
+    if not hasattr(compiled, "serialize"):
+        raise RuntimeError(f"part {part.index}: the compiled function cannot be serialised ({type(compiled).__name__})")
+    wrapped = BundledAOTAutogradSerializableCallable(compiled)
+    return BundledAOTAutogradSerializableCallable.serialize_compile_artifacts(wrapped)
+
+
+def shape_env_of(values: Sequence[Any]) -> Any:
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(list(values))
+    return None if mode is None else mode.shape_env
+
+
+def guards_since(shape_env: Any, start: int) -> list[str]:
+    """The size guards added to ``shape_env`` after its first ``start`` ones, as text."""
+    if shape_env is None:
+        return []
+    return [str(g.expr) for g in shape_env.guards[start:]]
+
+
+def apply_guards(shape_env: Any, guards: Sequence[str]) -> str | None:
+    """Add a child's guards to this process's shape environment (the same symbols: the same trace);
+    the reason if one does not hold here, else ``None``."""
+    if not guards:
+        return None
+    if shape_env is None:
+        return "no shape environment here"
+    import sympy
+
+    symbols = {str(s): s for s in shape_env.var_to_val}
+    for text in guards:
+        try:
+            expr = sympy.sympify(text, locals=symbols)
+            value = shape_env.evaluate_expr(expr)
+        except Exception as e:  # noqa: BLE001 - sympy/torch raise many types: "compile it here"
+            return f"guard {text!r}: {type(e).__name__}: {e}"
+        if not bool(value):
+            return f"guard {text!r} does not hold here"
+    return None
+
+
+def dump_part(index: int, fingerprint: str, data: bytes, guards: list[str]) -> bytes:
+    return pickle.dumps({"index": index, "fingerprint": fingerprint, "compiled": data, "guards": guards},
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_part(blob: bytes) -> dict[str, Any]:
+    obj = pickle.load(io.BytesIO(blob))  # noqa: S301 - written by our own child process
+    if not isinstance(obj, dict) or not {"index", "fingerprint", "compiled", "guards"} <= set(obj):
+        raise ValueError("not a compiled part")
+    return obj
+
+
+# -- the compiled function of a split graph ----------------------------------------------------
+
+
+def _serializable_base() -> type:
+    from torch._dynamo.aot_compile_types import SerializableCallable
+
+    return SerializableCallable
+
+
+class SplitCallable(_serializable_base()):  # type: ignore[misc]
+    """The parts' compiled functions run by a :class:`Plan`; saved as the plan plus each part's
+    bytes. Built from bytes in the compiling process too: ``precompile`` reloads what it saved."""
+
+    def __init__(self, plan: Plan, parts: list[bytes], fns: list[Callable[..., Any]] | None = None) -> None:
+        self.plan = plan
+        self.parts = parts
+        self._fns = fns
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: SplitCallable) -> bytes:
+        return pickle.dumps({"plan": fn.plan, "parts": fn.parts}, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> SplitCallable:
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+        state = pickle.loads(data)  # noqa: S301 - our own artifact (precompile checks its envelope)
+        fns = [BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(b) for b in state["parts"]]
+        return cls(state["plan"], state["parts"], fns)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fns is None:
+            raise RuntimeError("a split graph runs once loaded (SplitCallable.deserialize_compile_artifacts)")
+        return self.plan.run(self._fns, args)
