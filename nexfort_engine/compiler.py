@@ -254,7 +254,9 @@ class CompiledModule(torch.nn.Module):
         """Cut the traced graph into ``self._nx_parts`` parts; compile the parts no child compiles,
         collect the others from the children (or compile them here where a child did not deliver)."""
         label, count = self._nx_label, self._nx_parts
+        t_cut = time.perf_counter()
         cut = split.split(gm, count)
+        t_cut = time.perf_counter() - t_cut
         if cut is None:
             counters.set_info(label, compile_parts=f"off: the graph is too small to cut in {count}")
             if self._nx_part_child is not None:
@@ -288,7 +290,7 @@ class CompiledModule(torch.nn.Module):
                 from_children += 1
             blobs[index] = got
         counters.set_info(label, compile_parts="; ".join([f"{count} parts, {from_children} from child processes",
-                                                          *here]),
+                                                          f"cut in {t_cut:.1f}s", *here]),
                           compile_parts_own_seconds=round(own_s, 3),
                           compile_parts_wait_seconds=round(time.perf_counter() - t0 - own_s, 3))
         return split.SplitCallable(cut.plan, [b for b in blobs if b is not None])

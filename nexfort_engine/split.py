@@ -33,6 +33,7 @@ import hashlib
 import io
 import logging
 import operator
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -42,8 +43,10 @@ from torch import fx
 
 log = logging.getLogger(__name__)
 
-#: a graph with fewer compute nodes than this per part is not cut (each part costs a child's start)
+#: a graph with fewer compute nodes than this per part is not cut (each part costs a child's start);
+#: ``NEXFORT_MIN_PART_NODES`` overrides it (children read it too: tests cut tiny graphs)
 MIN_NODES_PER_PART = 64
+ENV_MIN_PART_NODES = "NEXFORT_MIN_PART_NODES"
 #: op codes that are bookkeeping, not compute: not counted when balancing the parts
 _FREE_OPS = ("placeholder", "output", "get_attr")
 
@@ -79,8 +82,6 @@ def children_that_fit(module: torch.nn.Module, device: torch.device,
 
 def child_threads(count: int) -> int:
     """Inductor compile threads per child: the machine's cores shared among ``count`` processes."""
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // count)
 
@@ -157,7 +158,8 @@ def assign(gm: fx.GraphModule, n: int) -> dict[fx.Node, int] | None:
     topological, so every value flows forward), or ``None`` if the graph is too small to cut."""
     nodes = [node for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
     total = sum(_weight(node) for node in nodes)
-    if n < 2 or total < n * MIN_NODES_PER_PART:
+    minimum = int(os.environ.get(ENV_MIN_PART_NODES) or MIN_NODES_PER_PART)
+    if n < 2 or total < n * minimum:
         return None
     out: dict[fx.Node, int] = {}
     seen = 0
@@ -182,11 +184,37 @@ def _example(node: fx.Node) -> Any:
     raise KeyError(node.name)
 
 
+def refresh_examples(gm: fx.GraphModule) -> None:
+    """Recompute every node's example value from the placeholders' (fake tensor propagation).
+
+    The engine's graph passes retarget nodes and keep Dynamo's example values, which describe
+    the replaced op: the channels-last GroupNorm returns a channels-last tensor where ATen's
+    returned a contiguous one. Inside one compiled graph that is harmless; at a cut, the value's
+    layout is what the next part is compiled to receive, and it must be what the part before
+    returns (the GPU's first try, run176, failed Inductor's stride assertion on it)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    inputs = [_example(node) for node in gm.graph.nodes if node.op == "placeholder"]
+    mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
+    if mode is None:
+        raise RuntimeError("the graph's inputs have no fake mode")
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "output") and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+
+
 def split(gm: fx.GraphModule, n: int) -> Split | None:
     """Cut ``gm`` into ``n`` parts (see :func:`assign`), each returning a tuple, with the fake
     values of their inputs; ``None`` where the graph is too small or lacks example values."""
     mapping = assign(gm, n)
     if mapping is None:
+        return None
+    try:
+        refresh_examples(gm)
+    except KeyError as e:
+        log.info("nexfort: not cutting the graph: input %s has no example value", e)
         return None
     from torch._dynamo.backends.distributed import propagate_dynamo_source, propagate_metadata
     from torch.fx.passes.split_module import split_module
