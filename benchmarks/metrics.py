@@ -134,6 +134,11 @@ def nexfort_counts() -> dict[str, Any]:
         # "background": true - each model's child process (state, its wall time until done)
         "background": {k: m["background"] for k, m in s.get("models", {}).items() if m.get("background")},
         "background_seconds": float(s.get("background_seconds", 0.0)),
+        # "compile_workers": the cut and where the parts were compiled, per model
+        "compile_parts": {k: {"parts": m.get("compile_parts", ""),
+                              "own_s": m.get("compile_parts_own_seconds", 0.0),
+                              "wait_s": m.get("compile_parts_wait_seconds", 0.0)}
+                          for k, m in s.get("models", {}).items() if m.get("compile_parts")},
         # what the graph passes rewrote, over all compiled models (fp8 attention: run106 on)
         "rewrites": {k: sum(int(m.get(k, 0)) for m in s.get("models", {}).values())
                      for k in ("fp8_quant_fused", "rope_fused", "attention_fp8", "group_norms_rewritten")},

@@ -199,7 +199,12 @@ def refresh_examples(gm: fx.GraphModule) -> None:
     mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
     if mode is None:
         raise RuntimeError("the graph's inputs have no fake mode")
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    from torch._dispatch.python import enable_python_dispatcher
+
+    # as Dynamo and AOTAutograd run ops: composite ops (linear -> matmul) decompose in Python,
+    # where symbolic sizes work, not in C++, where matmul asks for a concrete numel
+    with enable_python_dispatcher():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output") and "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]
@@ -315,7 +320,8 @@ def apply_guards(shape_env: Any, guards: Sequence[str]) -> str | None:
         return "no shape environment here"
     import sympy
 
-    symbols = {str(s): s for s in shape_env.var_to_val}
+    values = getattr(shape_env, "backed_var_to_val", None)
+    symbols = {str(s): s for s in (values if values is not None else shape_env.var_to_val)}
     for text in guards:
         try:
             expr = sympy.sympify(text, locals=symbols)
