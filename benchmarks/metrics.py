@@ -139,6 +139,8 @@ def nexfort_counts() -> dict[str, Any]:
                               "own_s": m.get("compile_parts_own_seconds", 0.0),
                               "wait_s": m.get("compile_parts_wait_seconds", 0.0)}
                           for k, m in s.get("models", {}).items() if m.get("compile_parts")},
+        # seconds per step of each model's last cold compile of a precompiled graph
+        "compile_phases": {k: m["compile_phases"] for k, m in s.get("models", {}).items() if m.get("compile_phases")},
         # what the graph passes rewrote, over all compiled models (fp8 attention: run106 on)
         "rewrites": {k: sum(int(m.get(k, 0)) for m in s.get("models", {}).values())
                      for k in ("fp8_quant_fused", "rope_fused", "attention_fp8", "group_norms_rewritten")},

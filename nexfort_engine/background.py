@@ -350,6 +350,7 @@ def _write_result(path: Path, report: dict[str, Any]) -> None:
 
 def child_main(job_file: str) -> int:
     """Compile the job in ``job_file`` and write its report next to it (exit code 0), or exit non-zero."""
+    started = time.time()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     path = Path(job_file)
     with open(path, "rb") as f:
@@ -375,7 +376,8 @@ def child_main(job_file: str) -> int:
         index, count = payload["part"]
         t1 = time.perf_counter()
         with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
-            why = cm.compile_part(payload["args"], payload["kwargs"], index, count, path.parent / "part.bin")
+            why = cm.compile_part(payload["args"], payload["kwargs"], index, count, path.parent / "part.bin",
+                                  {"started": started, "loaded": time.time()})
         _write_result(path.parent / RESULT_FILE, {"error": why, "part": index, "load_seconds": round(load_s, 3),
                                                    "compile_seconds": round(time.perf_counter() - t1, 3)})
         return 0

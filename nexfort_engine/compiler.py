@@ -178,6 +178,8 @@ class CompiledModule(torch.nn.Module):
         self._nx_parts = 1
         self._nx_part_jobs: dict[int, background.Job] = {}
         self._nx_part_child: tuple[int, Any] | None = None
+        #: wall-clock times (time.time) of a split compile's steps, for the counters' phases
+        self._nx_part_times: dict[str, float] = {}
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
         self._nx_fp8: ModuleWeights | None = None
         #: channels-last conv weights (weight_layout.py), refreshed before every compiled call
@@ -254,6 +256,7 @@ class CompiledModule(torch.nn.Module):
         """Cut the traced graph into ``self._nx_parts`` parts; compile the parts no child compiles,
         collect the others from the children (or compile them here where a child did not deliver)."""
         label, count = self._nx_label, self._nx_parts
+        self._nx_part_times["backend"] = time.time()
         t_cut = time.perf_counter()
         cut = split.split(gm, count)
         t_cut = time.perf_counter() - t_cut
@@ -267,9 +270,11 @@ class CompiledModule(torch.nn.Module):
             index, out = self._nx_part_child
             part = cut.parts[index]
             start = len(shape_env.guards) if shape_env is not None else 0
+            self._nx_part_times["cut"] = time.time()
             data = split.compile_part(part, self._compile_graph)
+            self._nx_part_times["compiled"] = time.time()
             atomic_write_bytes(out, split.dump_part(index, part.fingerprint(), data,
-                                                    split.guards_since(shape_env, start)))
+                                                    split.guards_since(shape_env, start), self._nx_part_times))
             raise split.PartDone(f"part {index} of {count} written")
         jobs = self._nx_part_jobs
         blobs: list[bytes | None] = [None] * count
@@ -278,10 +283,10 @@ class CompiledModule(torch.nn.Module):
             if part.index not in jobs:
                 blobs[part.index] = split.compile_part(part, self._compile_graph)
         own_s = time.perf_counter() - t0
-        from_children, here = 0, []
+        from_children, here, child_times = 0, [], []
         for index, job in sorted(jobs.items()):
             part = cut.parts[index]
-            got, why = self._collect_part(job, part, shape_env)
+            got, why = self._collect_part(job, part, shape_env, child_times)
             if got is None:
                 here.append(f"part {index} compiled here: {why}")
                 log.warning("nexfort: %s: part %d of %d compiled here (%s)", label, index, count, why)
@@ -289,13 +294,19 @@ class CompiledModule(torch.nn.Module):
             else:
                 from_children += 1
             blobs[index] = got
+        for name in ("started", "loaded", "backend", "cut", "compiled"):  # the slowest child's times
+            times = [t[name] - self._nx_part_times["t0"] for t in child_times if name in t]
+            if times and "t0" in self._nx_part_times:
+                counters.set_phase(label, f"children_{name}", max(times))
+        counters.set_phase(label, "cut", t_cut)
         counters.set_info(label, compile_parts="; ".join([f"{count} parts, {from_children} from child processes",
-                                                          f"cut in {t_cut:.1f}s", *here]),
+                                                          *here]),
                           compile_parts_own_seconds=round(own_s, 3),
                           compile_parts_wait_seconds=round(time.perf_counter() - t0 - own_s, 3))
         return split.SplitCallable(cut.plan, [b for b in blobs if b is not None])
 
-    def _collect_part(self, job: background.Job, part: split.Part, shape_env: Any) -> tuple[bytes | None, str]:
+    def _collect_part(self, job: background.Job, part: split.Part, shape_env: Any,
+                      times: list[dict[str, float]]) -> tuple[bytes | None, str]:
         """Wait for a child's part; its compiled bytes once its graph matches and its guards hold here."""
         deadline = time.monotonic() + split.CHILD_TIMEOUT_S
         while not job.done():
@@ -310,6 +321,7 @@ class CompiledModule(torch.nn.Module):
             got = split.load_part((job.path / split.PART_FILE).read_bytes())
         except (OSError, ValueError, pickle.UnpicklingError) as e:
             return None, f"its result is unreadable ({type(e).__name__}: {e})"
+        times.append(dict(got.get("times") or {}))
         if got["index"] != part.index or got["fingerprint"] != part.fingerprint():
             return None, "the child traced another graph"
         if (why := split.apply_guards(shape_env, got["guards"])) is not None:
@@ -523,7 +535,10 @@ class CompiledModule(torch.nn.Module):
             artifact = self._aot_compile(args, kwargs, example)
             if artifact is not None:
                 if (own := artifact.check(call_args, kwargs)) is None:
-                    return artifact(*call_args, **kwargs)
+                    t0 = time.perf_counter()
+                    out = artifact(*call_args, **kwargs)
+                    counters.set_phase(self._nx_label, "first_run", time.perf_counter() - t0)
+                    return out
                 self._aot_unsupported(f"its own inputs fail the saved guards: {own}")
         else:
             log.warning("nexfort: %s: %d precompiled graphs; compiling through torch.compile from now on",
@@ -540,15 +555,24 @@ class CompiledModule(torch.nn.Module):
         taken = {p.name for p in precompile.files(self._aot_dir())}
         path = next(self._aot_dir() / f"{i}.bin" for i in range(MAX_PRECOMPILED + len(taken) + 1)
                     if f"{i}.bin" not in taken)
+        label = self._nx_label
         try:
+            t0 = time.perf_counter()
             self._start_parts(args, kwargs, example)
+            t1 = time.perf_counter()
             try:
                 compiled, recorder = self._aot_trace(args, kwargs, example)
             finally:
                 self._stop_parts()
+            t2 = time.perf_counter()
             data = precompile.to_bytes(compiled, recorder)
             atomic_write_bytes(path, data)
+            t3 = time.perf_counter()
             artifact = precompile.from_bytes(data, target.__globals__, self._inductor_patches())
+            t4 = time.perf_counter()
+            for name, dt in (("start_workers", t1 - t0), ("trace_and_compile", t2 - t1), ("save", t3 - t2),
+                             ("load", t4 - t3)):
+                counters.set_phase(label, name, dt)
         except Exception as e:
             if type(e).__name__ in PASSTHROUGH:
                 raise
@@ -578,6 +602,7 @@ class CompiledModule(torch.nn.Module):
     def _start_parts(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> None:
         """Start the children for the trace about to run; the cut count is what could start."""
         self._nx_parts, self._nx_part_jobs = 1, {}
+        self._nx_part_times = {"t0": time.time()}
         wanted = split.workers(self._nx_config.compile_workers, self._nx_config.backend, example)
         entry = self._nx_entry
         if wanted < 2 or entry is None or self._nx_store is None:
@@ -614,9 +639,11 @@ class CompiledModule(torch.nn.Module):
         for job in jobs.values():
             job.cancel()
 
-    def compile_part(self, args: tuple, kwargs: dict, index: int, count: int, out: Any) -> str | None:
+    def compile_part(self, args: tuple, kwargs: dict, index: int, count: int, out: Any,
+                     times: dict[str, float] | None = None) -> str | None:
         """In a compile worker (a child process): trace the call as the parent does, compile part
         ``index`` of ``count`` and write it to ``out``; ``None`` when written, else why not."""
+        self._nx_part_times = dict(times or {})
         example = _first_tensor(args, kwargs)
         if self._nx_memory_format is not None:
             args, kwargs = shapes.to_memory_format(args, kwargs, self._nx_memory_format)

@@ -74,6 +74,11 @@ class _Record:
     compile_parts: str = ""
     compile_parts_own_seconds: float = 0.0
     compile_parts_wait_seconds: float = 0.0
+    #: seconds per step of the last cold compile of a precompiled graph (start_workers,
+    #: trace_and_compile, cut, save, load, first_run; a split compile's slowest child per step,
+    #: from the trace's start: children_started, children_loaded, children_backend, children_cut,
+    #: children_compiled)
+    compile_phases: dict[str, float] = field(default_factory=dict)
     updated: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
@@ -105,6 +110,7 @@ class _Record:
             compile_parts=self.compile_parts,
             compile_parts_own_seconds=round(self.compile_parts_own_seconds, 3),
             compile_parts_wait_seconds=round(self.compile_parts_wait_seconds, 3),
+            compile_phases=dict(self.compile_phases),
             updated=self.updated,
         )
         return d
@@ -158,6 +164,14 @@ def set_info(label: str, **info: Any) -> None:
                     rec.node_ids.append(str(v))
             else:
                 setattr(rec, k, v)
+        rec.updated = time.time()
+
+
+def set_phase(label: str, name: str, seconds: float) -> None:
+    """Record how long one step of a model's compile took (``compile_phases``)."""
+    with _lock:
+        rec = _models.setdefault(label, _Record())
+        rec.compile_phases[name] = round(float(seconds), 3)
         rec.updated = time.time()
 
 
