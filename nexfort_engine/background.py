@@ -193,6 +193,23 @@ def memory_shortfall(module: torch.nn.Module, device: torch.device,
 # -- the parent's side ------------------------------------------------------------------------
 
 
+def job_data(*, module: torch.nn.Module, args: tuple, kwargs: dict, config: Any, label: str, method: str,
+             block_hook: Callable[..., Any] | None, skip: tuple[type, ...] = ()) -> bytes:
+    """The job a child loads, pickled (see :func:`dumps`); raises :class:`Unavailable`."""
+    payload = {
+        "module": module,
+        "args": args,
+        "kwargs": kwargs,
+        "config": config,
+        "label": label,
+        "method": method,
+        "block_hook": block_hook,
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+    }
+    return dumps(payload, skip)
+
+
 @dataclass
 class Job:
     """A compile running in a child process."""
@@ -277,6 +294,7 @@ def start(
     child_globals: Sequence[tuple[str, str, Any]] = (),
     part: tuple[int, int] | None = None,
     threads: int | None = None,
+    data: bytes | None = None,
 ) -> Job:
     """Pickle the job and start the child; raises :class:`Unavailable` (nothing started) if the
     module or the inputs cannot travel. ``config`` is the engine's CompileConfig (with
@@ -284,27 +302,18 @@ def start(
     attribute, value)`` set in the child before the job loads (a host's parsed command line, which
     its modules read when imported). ``part``: ``(index, count)`` for a compile worker
     (split.py), which writes that part of the traced graph and commits nothing; ``threads``: the
-    child's Inductor compile threads."""
-    payload = {
-        "module": module,
-        "args": args,
-        "kwargs": kwargs,
-        "config": config,
-        "label": label,
-        "method": method,
-        "block_hook": block_hook,
-        "grad": torch.is_grad_enabled(),
-        "inference": torch.is_inference_mode_enabled(),
-        "part": part,
-    }
-    data = dumps(payload, skip)
+    child's Inductor compile threads; ``data``: the job pickled once by :func:`job_data` for
+    several children (the module, inputs and options arguments are then not read)."""
+    if data is None:
+        data = job_data(module=module, args=args, kwargs=kwargs, config=config, label=label, method=method,
+                        block_hook=block_hook, skip=skip)
     path = Path(root) / JOBS / key
     path.mkdir(parents=True, exist_ok=True)
     for name in (RESULT_FILE, JOB_FILE, "part.bin"):
         with contextlib.suppress(OSError):
             (path / name).unlink()
     header = {"sys_path": [p for p in sys.path if isinstance(p, str)], "root": str(root), "parent": os.getpid(),
-              "globals": dumps(list(child_globals))}
+              "globals": dumps(list(child_globals)), "part": part}
     with open(path / JOB_FILE, "wb") as f:
         pickle.dump(header, f, protocol=pickle.HIGHEST_PROTOCOL)
         f.write(data)
@@ -372,8 +381,8 @@ def child_main(job_file: str) -> int:
 
     cm = nx_compile(payload["module"], payload["config"], cache_dir=header["root"], label=payload["label"],
                     method=payload["method"], block_hook=payload["block_hook"])
-    if payload.get("part") is not None:  # a compile worker: the parent waits for it (no nice)
-        index, count = payload["part"]
+    if header.get("part") is not None:  # a compile worker: the parent waits for it (no nice)
+        index, count = header["part"]
         t1 = time.perf_counter()
         with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
             why = cm.compile_part(payload["args"], payload["kwargs"], index, count, path.parent / "part.bin",

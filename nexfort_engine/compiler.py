@@ -614,16 +614,22 @@ class CompiledModule(torch.nn.Module):
                 children, why = fit, f"device memory for {fit} child(ren)"
         count = children + 1
         threads = split.child_threads(count)
-        for index in range(1, count):
+        config = dataclasses.replace(self._nx_config, background=False)
+        try:  # pickled once for all the children
+            data = background.job_data(module=self._orig_mod, args=args, kwargs=kwargs, config=config,
+                                       label=self._nx_name, method=self._nx_method, block_hook=None,
+                                       skip=(CompiledModule,))
+        except background.Unavailable as e:
+            data, why = None, f"cannot hand the model to a child process: {e}"
+        for index in range(1, count if data is not None else 1):
             try:
                 job = background.start(
                     root=self._nx_store.root, key=f"{entry.key}.part{index}", module=self._orig_mod, args=args,
-                    kwargs=kwargs, config=dataclasses.replace(self._nx_config, background=False), label=self._nx_name,
-                    method=self._nx_method, block_hook=None, skip=(CompiledModule,),
-                    child_globals=self._nx_child_globals, part=(index, count), threads=threads,
+                    kwargs=kwargs, config=config, label=self._nx_name, method=self._nx_method, block_hook=None,
+                    child_globals=self._nx_child_globals, part=(index, count), threads=threads, data=data,
                 )
             except (background.Unavailable, OSError) as e:
-                why = f"cannot hand the model to a child process: {e}"
+                why = f"cannot start a child process: {e}"
                 break
             self._nx_part_jobs[index] = job
         if not self._nx_part_jobs:
