@@ -237,7 +237,7 @@ def refresh_examples(gm: fx.GraphModule) -> int:
             if node.op == "call_method":
                 new = getattr(args[0], str(node.target))(*args[1:], **kwargs)
             else:
-                new = node.target(*args, **kwargs)
+                new = getattr(node.target, "_nexfort_example", node.target)(*args, **kwargs)
             old = node.meta.get("example_value")
             node.meta["example_value"] = new
             if _layout(new) != _layout(old):
