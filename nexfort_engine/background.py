@@ -245,6 +245,16 @@ class Job:
         report["wall_seconds"] = round((self.finished or time.monotonic()) - self.started, 3)
         return report
 
+    def report(self) -> dict[str, Any]:
+        """The child's report once written (it may still be exiting), else as :meth:`result`."""
+        try:
+            report = json.loads((self.path / RESULT_FILE).read_text())
+        except (OSError, ValueError):
+            report = None
+        if isinstance(report, dict):
+            return report
+        return self.result()
+
     def cancel(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -309,12 +309,14 @@ class CompiledModule(torch.nn.Module):
                       times: list[dict[str, float]]) -> tuple[bytes | None, str]:
         """Wait for a child's part; its compiled bytes once its graph matches and its guards hold here."""
         deadline = time.monotonic() + split.CHILD_TIMEOUT_S
-        while not job.done():
+        # the report comes before the child's exit, which tears down CUDA and its compile pool
+        # (seconds); the parent stops it once it has what it needs
+        while not (job.path / background.RESULT_FILE).exists() and not job.done():
             if time.monotonic() > deadline:
                 job.cancel()
                 return None, f"its child took more than {split.CHILD_TIMEOUT_S:.0f}s"
-            time.sleep(0.05)
-        report = job.result()
+            time.sleep(0.02)
+        report = job.report()
         if report.get("crashed") or report.get("error"):
             return None, str(report.get("crashed") or report.get("error"))
         try:
@@ -868,7 +870,9 @@ class CompiledModule(torch.nn.Module):
             try:
                 self._nx_job = background.start(
                     root=self._nx_store.root, key=entry.key, module=self._orig_mod, args=args, kwargs=kwargs,
-                    config=dataclasses.replace(self._nx_config, background=False), label=self._nx_name,
+                    # one process: a background compile leaves the cores to the eager steps
+                    config=dataclasses.replace(self._nx_config, background=False, compile_workers=1),
+                    label=self._nx_name,
                     method=self._nx_method, block_hook=self._nx_block_hook if self._nx_regions else None,
                     skip=(CompiledModule,), child_globals=self._nx_child_globals,
                 )
