@@ -796,6 +796,8 @@ class CompiledModule(torch.nn.Module):
         label = self._nx_label  # ``seconds`` includes loading (``_nx_aot_load_s`` of them)
         counters.add_seconds(label, "compile", seconds)
         counters.set_info(label, state="compiled")
+        counters.set_phase(label, "warm_load", self._nx_aot_load_s)
+        counters.set_phase(label, "warm_first_run", seconds - self._nx_aot_load_s)
         log.info("nexfort: %s ran %d precompiled graph(s) from the cache in %.1fs, %.1fs of it loading (nothing "
                  "traced)", label, self._nx_aot_loaded, seconds, self._nx_aot_load_s)
         entry = self._nx_entry

@@ -35,6 +35,7 @@ import logging
 import operator
 import os
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -96,6 +97,10 @@ def children_that_fit(module: torch.nn.Module, device: torch.device,
 def child_threads(count: int) -> int:
     """Inductor compile threads per child: the machine's cores shared among ``count`` processes."""
     return max(1, _cores() // count)
+
+
+#: seconds each part of the split graph loaded last took to deserialize (diagnostics)
+LOAD_SECONDS: list[float] = []
 
 
 class PartDone(Exception):  # noqa: N818 - a signal, not an error
@@ -423,7 +428,12 @@ class SplitCallable(_serializable_base()):  # type: ignore[misc]
         from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
 
         state = pickle.loads(data)  # noqa: S301 - our own artifact (precompile checks its envelope)
-        fns = [BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(b) for b in state["parts"]]
+        fns = []
+        LOAD_SECONDS.clear()
+        for blob in state["parts"]:
+            t0 = time.perf_counter()
+            fns.append(BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(blob))
+            LOAD_SECONDS.append(round(time.perf_counter() - t0, 3))
         return cls(state["plan"], state["parts"], fns)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
