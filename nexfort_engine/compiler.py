@@ -798,6 +798,8 @@ class CompiledModule(torch.nn.Module):
         counters.set_info(label, state="compiled")
         counters.set_phase(label, "warm_load", self._nx_aot_load_s)
         counters.set_phase(label, "warm_first_run", seconds - self._nx_aot_load_s)
+        for i, part_s in enumerate(split.LOAD_SECONDS):
+            counters.set_phase(label, f"warm_load_part{i}", part_s)
         log.info("nexfort: %s ran %d precompiled graph(s) from the cache in %.1fs, %.1fs of it loading (nothing "
                  "traced)", label, self._nx_aot_loaded, seconds, self._nx_aot_load_s)
         entry = self._nx_entry
