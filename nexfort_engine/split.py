@@ -224,7 +224,7 @@ def refresh_examples(gm: fx.GraphModule) -> int:
     the channels-last GroupNorm returns a channels-last tensor where ATen's returned a contiguous
     one, and so do the elementwise ops after it. Inside one compiled graph that is harmless; at a
     cut, the value's layout is what the next part is compiled to receive, and it must be what the
-    part before returns (the GPU's first try, run177, failed Inductor's stride assertion on it).
+    part before returns (the GPU's first try, run176, failed Inductor's stride assertion on it).
     The nodes the passes made are run again on fake values, and after them every node reading a
     value whose layout changed (a convolution's output keeps its layout, which ends the chain). A
     whole-graph fake propagation did the same in 8.2 s on SD2.1's UNet (run178)."""

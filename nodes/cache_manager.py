@@ -103,6 +103,8 @@ def report(store: CacheStore, message: str = "") -> str:
                      f"hits={m['cache_hits']} ({how})")
         if m.get("background"):  # "background": true - the child process compiling it, or why not
             lines.append(f"    background compile: {m['background']}")
+        if m.get("compile_parts"):  # "compile_workers": the graph cut into parts compiled by children
+            lines.append(f"    compile workers: {m['compile_parts']}")
         for r in m["recompile_reasons"][-3:]:
             lines.append(f"    recompile: {r}")
         for r in m["fallback_reasons"][-3:]:

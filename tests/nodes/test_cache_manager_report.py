@@ -38,6 +38,9 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert "background compile" not in text  # the option was off
     counters.set_info("UNetModel:aa", background="done in 147.3s")
     assert "    background compile: done in 147.3s" in cache_manager.report(CacheStore(tmp_path))
+    assert "compile workers" not in cache_manager.report(CacheStore(tmp_path))
+    counters.set_info("UNetModel:aa", compile_parts="6 parts, 5 from child processes")
+    assert "    compile workers: 6 parts, 5 from child processes" in cache_manager.report(CacheStore(tmp_path))
     assert nexfort_engine.stats()["models"]["UNetModel:aa"]["spatial_multiple"] == 8
 
 

@@ -1,0 +1,274 @@
+"""``"compile_workers"``: one traced graph cut into parts compiled by child processes (split.py).
+
+The cut itself (balanced parts, the plan that runs them equals the graph, values between parts),
+the refresh of example values the GroupNorm pass left stale (without it a cut fails Inductor's
+stride check: the GPU's first try, run176), size guards carried from a child, the option, and -
+with real Inductor compiles in real child processes - a conv net cut in three parts: two come
+from children, the output matches eager, a restart loads the saved split graph without compiling,
+and a part whose child delivers nothing is compiled by the parent.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nexfort_engine
+from nexfort_engine import split
+from nexfort_engine.options import OptionsError, parse_options
+from nexfort_engine.passes import group_norm
+
+
+class Res(torch.nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.n1 = torch.nn.GroupNorm(4, c)
+        self.c1 = torch.nn.Conv2d(c, c, 3, padding=1)
+        self.n2 = torch.nn.GroupNorm(4, c)
+        self.c2 = torch.nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c2(F.silu(self.n2(self.c1(F.silu(self.n1(x))))))
+
+
+class ConvNet(torch.nn.Module):
+    """ResBlocks with GroupNorms (the pass rewrites them) and a skip across the whole net."""
+
+    def __init__(self, c: int = 16, n: int = 6) -> None:
+        super().__init__()
+        self.i = torch.nn.Conv2d(4, c, 3, padding=1)
+        self.blocks = torch.nn.ModuleList([Res(c) for _ in range(n)])
+        self.o = torch.nn.Conv2d(c, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.i(x)
+        skip = h
+        for block in self.blocks:
+            h = block(h)
+        return self.o(h + skip)
+
+
+def _net() -> ConvNet:
+    torch.manual_seed(0)
+    return ConvNet().eval().requires_grad_(False)
+
+
+def _dynamo_graph(net: torch.nn.Module, x: torch.Tensor, rewrite: bool = False) -> tuple[torch.fx.GraphModule, list]:
+    """The graph Dynamo hands a backend (example values on every node; dynamic batch and size),
+    and the inputs it was called with."""
+    got: dict[str, object] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        if rewrite:
+            group_norm.rewrite_group_norms(gm)
+        got["gm"], got["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = x.clone()
+    for d in (0, 2, 3):
+        torch._dynamo.mark_dynamic(x, d)
+    with torch.no_grad():
+        torch.compile(net, backend=backend, dynamic=None)(x)
+    return got["gm"], got["inputs"]  # type: ignore[return-value]
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    """Tiny graphs are cut too (children read the variable as well)."""
+    monkeypatch.setenv(split.ENV_MIN_PART_NODES, "4")
+
+
+def test_parts_are_balanced_consecutive_and_run_like_the_graph(small_parts, clean_dynamo):
+    net = _net()
+    x = torch.randn(2, 4, 8, 8)
+    gm, inputs = _dynamo_graph(net, x)
+    cut = split.split(gm, 3)
+    assert cut is not None and len(cut.parts) == 3
+    sizes = [sum(split._weight(n) for n in p.module.graph.nodes) for p in cut.parts]
+    assert max(sizes) - min(sizes) <= max(sizes) // 2, sizes
+    # each part reads the call's arguments or what parts before it returned
+    for k, (ins, start, _n, _free) in enumerate(cut.plan.steps):
+        assert all(i < start for i in ins), (k, ins, start)
+    # the skip across the net crosses every cut and is freed only after its last reader
+    freed = [s for _ins, _start, _n, free in cut.plan.steps for s in free]
+    assert len(freed) == len(set(freed))
+    # the plan over the parts' own (uncompiled) graphs computes what the graph does
+    with torch.no_grad():
+        want = gm(*inputs)
+        got = cut.plan.run([p.module for p in cut.parts], inputs)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[0], net(x))
+    assert len({p.fingerprint() for p in cut.parts}) == 3
+
+
+def test_too_small_a_graph_is_not_cut(clean_dynamo):
+    gm, _inputs = _dynamo_graph(_net(), torch.randn(2, 4, 8, 8))
+    assert split.split(gm, 3) is None  # 64 compute nodes per part at least
+    assert split.assign(gm, 1) is None
+
+
+def test_stale_group_norm_layouts_are_refreshed(small_parts, clean_dynamo):
+    """The pass keeps ATen GroupNorm's example value; the op it puts there returns channels-last,
+    and so do the SiLUs after it. Refreshed, the graph's example values match a real run's."""
+    x = torch.randn(2, 4, 8, 8)
+    net = _net()
+    gm, inputs = _dynamo_graph(net, x, rewrite=True)
+    norms = [n for n in gm.graph.nodes if n.target is group_norm.group_norm_channels_last]
+    assert len(norms) == 12
+    stale = [split._layout(n.meta["example_value"]) for n in norms]
+    assert split.refresh_examples(gm) >= len(norms)
+    # the real values of every node, by running the graph node by node
+    real = {}
+    interp = torch.fx.Interpreter(gm)
+    orig_run_node = interp.run_node
+
+    def run_node(n):
+        real[n] = orig_run_node(n)
+        return real[n]
+
+    interp.run_node = run_node
+    with torch.no_grad():
+        interp.run(*inputs)
+    checked = 0
+    for n in gm.graph.nodes:
+        value = real.get(n)
+        if n.op in ("call_function", "call_method") and isinstance(value, torch.Tensor) and value.dim() == 4:
+            fake = n.meta["example_value"]
+            for fmt in (torch.contiguous_format, torch.channels_last):
+                assert fake.is_contiguous(memory_format=fmt) == value.is_contiguous(memory_format=fmt), (n, fmt)
+            checked += 1
+    assert checked > 3 * len(norms)
+    fresh = [split._layout(n.meta["example_value"]) for n in norms]
+    assert fresh != stale  # what the cut would have got wrong
+
+
+def test_the_group_norm_twin_has_the_ops_layout():
+    for shape in [(2, 8, 5, 6), (1, 8, 1, 6), (2, 8, 7), (2, 8, 3, 4, 5)]:
+        for channels_last in (False, True):
+            x = torch.randn(*shape, dtype=torch.float16)
+            if channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            w, b = torch.randn(8, dtype=torch.float16), torch.randn(8, dtype=torch.float16)
+            real = group_norm.group_norm_channels_last(x, 4, w, b, 1e-5)
+            twin = group_norm._example_output(x, 4, w, b, 1e-5)
+            assert (twin.shape, twin.stride(), twin.dtype) == (real.shape, real.stride(), real.dtype), shape
+
+
+def test_a_childs_guards_are_added_here():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    sym = env.create_symbol(12, ConstantSource("x_size_0"))
+    n0 = len(env.guards)
+    assert split.apply_guards(env, [f"Eq(Mod({sym}, 4), 0)"]) is None
+    assert len(env.guards) == n0 + 1
+    assert "does not hold" in (split.apply_guards(env, [f"Eq({sym}, 5)"]) or "")
+    assert split.apply_guards(None, []) is None
+    assert "no shape environment" in (split.apply_guards(None, ["Eq(s0, 1)"]) or "")
+
+
+def test_option_is_validated_and_auto_follows_the_device():
+    assert parse_options({"compile_workers": 4}).compile_workers == 4
+    assert parse_options({}).compile_workers is None
+    for bad in (0, 33, 2.5, True, "4"):
+        with pytest.raises(OptionsError, match="compile_workers.*1 to 32"):
+            parse_options({"compile_workers": bad})
+    cpu = torch.zeros(1)
+    gpu = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    assert split.workers(None, "inductor", cpu) == 1
+    assert split.workers(None, "inductor", gpu) == max(1, min(split.AUTO_WORKERS, split._cores() // 2))
+    assert split.workers(3, "inductor", cpu) == 3
+    assert split.workers(3, "eager", cpu) == 1
+    # the option does not change the cache entry: any worker count fills and loads the same one
+    from nexfort_engine.settings import resolve
+
+    a, b = parse_options({"compile_workers": 1}), parse_options({"compile_workers": 6})
+    assert resolve(a, cuda=False).digest(a) == resolve(b, cuda=False).digest(b)
+
+
+def test_children_that_fit_in_device_memory(monkeypatch):
+    from nexfort_engine import background
+
+    weights = 5 << 30
+    monkeypatch.setattr(background, "weight_bytes", lambda module, device: weights)
+    per_child = weights + split.CHILD_OVERHEAD_BYTES
+    cuda = torch.device("cuda", 0)
+    assert split.children_that_fit(_net(), cuda, lambda d: (3 * per_child + 1, 0)) == 3
+    assert split.children_that_fit(_net(), cuda, lambda d: (per_child - 1, 0)) == 0
+    assert split.children_that_fit(_net(), torch.device("cpu")) > 1000
+
+
+# -- real Inductor compiles in real child processes --------------------------------------------
+
+
+def _compile(cache_dir, **options):
+    net = _net()
+    config = {"mode": "O2", "regional": False, "group_norm_rewrite": True, "memory_format": "channels_last",
+              "compile_workers": 3, **options}
+    return net, nexfort_engine.compile(net, config, cache_dir=str(cache_dir))
+
+
+def _record(stats) -> dict:
+    models = stats()["models"]
+    assert len(models) == 1, models
+    return next(iter(models.values()))
+
+
+def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_path, fresh_stats, clean_dynamo):
+    net, cm = _compile(tmp_path)
+    x = torch.randn(2, 4, 16, 16)
+    with torch.inference_mode():
+        out = cm(x)
+        want = net(x)
+    rec = _record(fresh_stats)
+    assert rec["fallbacks"] == 0, rec["fallback_reasons"]
+    assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
+    assert rec["precompiled"] == "on" and rec["compiles"] == 1
+    phases = rec["compile_phases"]
+    assert {"trace_and_compile", "cut", "children_compiled", "load", "first_run"} <= set(phases), phases
+    # Inductor's CPU kernels against eager, both float32, one process
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    # a restart (a new wrapper, Dynamo reset): the saved split graph loads, nothing compiles
+    nexfort_engine.reset_stats()
+    torch._dynamo.reset()
+    net2, cm2 = _compile(tmp_path)
+    with torch.inference_mode():
+        out2 = cm2(x)
+    rec2 = _record(fresh_stats)
+    assert rec2["compiles"] == 0 and rec2["cache_hits"] == 1 and rec2["fallbacks"] == 0, rec2
+    assert "warm_load_part2" in rec2["compile_phases"], rec2["compile_phases"]
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_a_part_no_child_delivers_is_compiled_here(small_parts, tmp_path, fresh_stats, clean_dynamo, monkeypatch):
+    """The child starts with a minimum part size the graph does not reach: it does not cut the
+    graph and reports so; the parent, which does cut it, compiles that part itself."""
+    import os
+
+    from nexfort_engine import background
+
+    start = background.start
+
+    def start_child_with_a_larger_minimum(**kw):
+        os.environ[split.ENV_MIN_PART_NODES] = "100000"  # the child copies the environment
+        try:
+            return start(**kw)
+        finally:
+            os.environ[split.ENV_MIN_PART_NODES] = "4"
+
+    monkeypatch.setattr(background, "start", start_child_with_a_larger_minimum)
+    net, cm = _compile(tmp_path, compile_workers=2)
+    x = torch.randn(1, 4, 16, 16)
+    with torch.inference_mode():
+        out = cm(x)
+        want = net(x)
+    rec = _record(fresh_stats)
+    assert rec["fallbacks"] == 0, rec["fallback_reasons"]
+    assert rec["compile_parts"].startswith("2 parts, 0 from child processes"), rec["compile_parts"]
+    assert "part 1 compiled here: the graph is not cut" in rec["compile_parts"], rec["compile_parts"]
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
