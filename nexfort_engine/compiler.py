@@ -605,7 +605,8 @@ class CompiledModule(torch.nn.Module):
         """Start the children for the trace about to run; the cut count is what could start."""
         self._nx_parts, self._nx_part_jobs = 1, {}
         self._nx_part_times = {"t0": time.time()}
-        wanted = split.workers(self._nx_config.compile_workers, self._nx_config.backend, example)
+        wanted = split.workers(self._nx_config.compile_workers, self._nx_config.backend, example,
+                               self._nx_config.flags)
         entry = self._nx_entry
         if wanted < 2 or entry is None or self._nx_store is None:
             return

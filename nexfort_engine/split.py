@@ -66,11 +66,12 @@ CHILD_OVERHEAD_BYTES = 1 << 30
 AUTO_WORKERS = 6
 
 
-def workers(option: int | None, backend: str, example: torch.Tensor | None) -> int:
+def workers(option: int | None, backend: str, example: torch.Tensor | None, flags: Sequence[str] = ()) -> int:
     """How many processes (the caller included) compile a traced graph: the option, else (auto)
     up to :data:`AUTO_WORKERS` on a CUDA device, one per two cores; one on the CPU (its Inductor
-    compiles C++ with all cores already)."""
-    if backend != "inductor":
+    compiles C++ with all cores already). Always one under ``freezing``: a child's weights are
+    zeros, which that flag would bake into the graph."""
+    if backend != "inductor" or "freezing" in flags:
         return 1
     if option is not None:
         return option

@@ -184,6 +184,7 @@ def test_option_is_validated_and_auto_follows_the_device():
     assert split.workers(None, "inductor", gpu) == max(1, min(split.AUTO_WORKERS, split._cores() // 2))
     assert split.workers(3, "inductor", cpu) == 3
     assert split.workers(3, "eager", cpu) == 1
+    assert split.workers(3, "inductor", gpu, ("max-optimize", "freezing")) == 1  # zeros would be baked in
     # the option does not change the cache entry: any worker count fills and loads the same one
     from nexfort_engine.settings import resolve
 
