@@ -614,7 +614,7 @@ class CompiledModule(torch.nn.Module):
         if example is not None:
             fit = split.children_that_fit(self._orig_mod, example.device)
             if fit < children:
-                children, why = fit, f"device memory for {fit} child(ren)"
+                children, why = fit, f"device and host memory for {fit} child(ren)"
         count = children + 1
         threads = split.child_threads(count)
         config = dataclasses.replace(self._nx_config, background=False)

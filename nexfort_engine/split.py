@@ -84,15 +84,36 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+#: host memory a compile worker is assumed to need (an estimate, not measured: a Python process
+#: with torch, the host's model code and a traced graph)
+CHILD_HOST_BYTES = 4 << 30
+
+
+def host_available_bytes() -> int | None:
+    """The host's available memory (Linux ``MemAvailable``), or ``None`` where it is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def children_that_fit(module: torch.nn.Module, device: torch.device,
-                      free_fn: Callable[[torch.device], tuple[int, int]] | None = None) -> int:
-    """How many compile workers' copies of the weights fit in ``device``'s free memory now."""
+                      free_fn: Callable[[torch.device], tuple[int, int]] | None = None,
+                      host_fn: Callable[[], int | None] = host_available_bytes) -> int:
+    """How many compile workers fit now: their copies of the weights in ``device``'s free memory,
+    and their processes in the host's available memory."""
+    host = host_fn()
+    fit = (1 << 16) if host is None else int(host // CHILD_HOST_BYTES)
     if device.type != "cuda":
-        return 1 << 16
+        return fit
     from .background import weight_bytes
 
     free, _total = (free_fn or torch.cuda.mem_get_info)(device)
-    return int(free // (weight_bytes(module, device) + CHILD_OVERHEAD_BYTES))
+    return min(fit, int(free // (weight_bytes(module, device) + CHILD_OVERHEAD_BYTES)))
 
 
 def child_threads(count: int) -> int:

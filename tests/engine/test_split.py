@@ -199,9 +199,13 @@ def test_children_that_fit_in_device_memory(monkeypatch):
     monkeypatch.setattr(background, "weight_bytes", lambda module, device: weights)
     per_child = weights + split.CHILD_OVERHEAD_BYTES
     cuda = torch.device("cuda", 0)
-    assert split.children_that_fit(_net(), cuda, lambda d: (3 * per_child + 1, 0)) == 3
-    assert split.children_that_fit(_net(), cuda, lambda d: (per_child - 1, 0)) == 0
-    assert split.children_that_fit(_net(), torch.device("cpu")) > 1000
+    plenty = lambda: 1 << 50  # noqa: E731
+    assert split.children_that_fit(_net(), cuda, lambda d: (3 * per_child + 1, 0), plenty) == 3
+    assert split.children_that_fit(_net(), cuda, lambda d: (per_child - 1, 0), plenty) == 0
+    # the host's memory limits them too
+    assert split.children_that_fit(_net(), cuda, lambda d: (9 * per_child, 0), lambda: 2 * split.CHILD_HOST_BYTES) == 2
+    assert split.children_that_fit(_net(), torch.device("cpu"), host_fn=lambda: None) > 1000
+    assert split.host_available_bytes() is None or split.host_available_bytes() > 0
 
 
 # -- real Inductor compiles in real child processes --------------------------------------------
