@@ -64,6 +64,8 @@ JOBS = "jobs"
 JOB_FILE = "job.pkl"
 RESULT_FILE = "result.json"
 LOG_FILE = "child.log"
+#: a compile worker's compiled part of the graph (split.py)
+PART_FILE = "part.bin"
 #: the child's program (``-c``: ``-m`` would run a second copy of this module as ``__main__``)
 _CHILD = "import sys; from nexfort_engine.background import child_main; sys.exit(child_main(sys.argv[1]))"
 #: the child's scheduling priority offset (Linux/macOS ``nice``)
@@ -319,7 +321,7 @@ def start(
                         block_hook=block_hook, skip=skip)
     path = Path(root) / JOBS / key
     path.mkdir(parents=True, exist_ok=True)
-    for name in (RESULT_FILE, JOB_FILE, "part.bin"):
+    for name in (RESULT_FILE, JOB_FILE, PART_FILE):
         with contextlib.suppress(OSError):
             (path / name).unlink()
     header = {"sys_path": [p for p in sys.path if isinstance(p, str)], "root": str(root), "parent": os.getpid(),
@@ -375,6 +377,11 @@ def child_main(job_file: str) -> int:
     with open(path, "rb") as f:
         header = pickle.load(f)
         _watch_parent(int(header["parent"]))
+        if header.get("part") is None and hasattr(os, "nice"):
+            # a background compile: the parent's eager steps keep their CPU time, the compile takes
+            # the rest (a compile worker's parent waits for it: no nice)
+            with contextlib.suppress(OSError):
+                os.nice(NICE)
         for p in reversed(header["sys_path"]):
             if p not in sys.path:
                 sys.path.insert(0, p)
@@ -391,18 +398,15 @@ def child_main(job_file: str) -> int:
 
     cm = nx_compile(payload["module"], payload["config"], cache_dir=header["root"], label=payload["label"],
                     method=payload["method"], block_hook=payload["block_hook"])
-    if header.get("part") is not None:  # a compile worker: the parent waits for it (no nice)
+    if header.get("part") is not None:  # a compile worker (split.py)
         index, count = header["part"]
         t1 = time.perf_counter()
         with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
-            why = cm.compile_part(payload["args"], payload["kwargs"], index, count, path.parent / "part.bin",
+            why = cm.compile_part(payload["args"], payload["kwargs"], index, count, path.parent / PART_FILE,
                                   {"started": started, "loaded": time.time()})
         _write_result(path.parent / RESULT_FILE, {"error": why, "part": index, "load_seconds": round(load_s, 3),
                                                    "compile_seconds": round(time.perf_counter() - t1, 3)})
         return 0
-    if hasattr(os, "nice"):  # the parent's eager steps keep their CPU time; the compile takes the rest
-        with contextlib.suppress(OSError):
-            os.nice(NICE)
     t1 = time.perf_counter()
     with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
         cm(*payload["args"], **payload["kwargs"])

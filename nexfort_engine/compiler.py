@@ -639,9 +639,12 @@ class CompiledModule(torch.nn.Module):
             counters.set_info(self._nx_label, compile_parts=f"off: {why or 'no child started'}")
             log.warning("nexfort: %s: compiling the graph whole (%s)", self._nx_label, why)
             return
-        self._nx_parts = len(self._nx_part_jobs) + 1
-        if self._nx_parts < wanted:
-            log.info("nexfort: %s: %d compile workers, not %d (%s)", self._nx_label, self._nx_parts, wanted, why)
+        # the children cut into ``count`` parts: so does the caller, and compiles those whose child
+        # did not start itself
+        self._nx_parts = count
+        if len(self._nx_part_jobs) + 1 < wanted:
+            log.info("nexfort: %s: %d compile workers, not %d (%s)", self._nx_label, len(self._nx_part_jobs) + 1,
+                     wanted, why)
 
     def _stop_parts(self) -> None:
         jobs, self._nx_part_jobs, self._nx_parts = self._nx_part_jobs, {}, 1

@@ -42,6 +42,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from . import background
+
 log = logging.getLogger(__name__)
 
 #: a graph with fewer compute nodes than this per part is not cut (each part costs a child's start);
@@ -53,7 +55,7 @@ _FREE_OPS = ("placeholder", "output", "get_attr")
 
 
 #: a child's compiled part, in its job directory
-PART_FILE = "part.bin"
+PART_FILE = background.PART_FILE
 #: a child that has not delivered its part by then is stopped, and the part compiled here
 CHILD_TIMEOUT_S = 1800.0
 #: what a compile worker needs on the device besides its copy of the weights: its CUDA context
@@ -110,10 +112,8 @@ def children_that_fit(module: torch.nn.Module, device: torch.device,
     fit = (1 << 16) if host is None else int(host // CHILD_HOST_BYTES)
     if device.type != "cuda":
         return fit
-    from .background import weight_bytes
-
     free, _total = (free_fn or torch.cuda.mem_get_info)(device)
-    return min(fit, int(free // (weight_bytes(module, device) + CHILD_OVERHEAD_BYTES)))
+    return min(fit, int(free // (background.weight_bytes(module, device) + CHILD_OVERHEAD_BYTES)))
 
 
 def child_threads(count: int) -> int:
