@@ -8,23 +8,29 @@ every child traces the same graph, cuts it the same way and compiles only its ow
 the caller's process. The caller collects the children's compiled parts as bytes, adds the size
 guards each part's compile made to its own shape environment (:func:`apply_guards`), and returns a
 :class:`SplitCallable`: a fixed plan that calls the parts in order and passes values between them.
-It saves and loads as the whole graph's compiled function would, so warm starts are unchanged.
+It saves and loads as the whole graph's compiled function would (a warm start loads one module per
+part: SDXL's took 2-4 s longer on an H200, BENCHMARKS.md twenty-third session).
 
 Why: AOTAutograd's and Inductor's work on one graph runs on a single Python thread. A dynamic-shape
 UNet's cold compile is mostly that work (SDXL: 128 of 175 s on an H200, BENCHMARKS.md twenty-first
 session), and it grows with the node count, so N processes divide it by about N. What is not
 divided: starting a child (importing torch and the host's model classes), the trace (each child
-traces too, at the same time as the caller), and loading the parts.
+traces too, at the same time as the caller), and loading the parts. Measured with 6 processes:
+SD2.1 84-128 s -> 55-64 s, SDXL 170-175 s -> 87-99 s, the same speed (runs 180-183).
 
 What a cut costs at run time: kernels do not fuse across a cut (cuts fall between nodes, N - 1 of
 them), and under CUDA graphs each part is its own recorded graph, replayed one after another.
 
 Safety: a part whose graph differs from the caller's (fingerprint), whose guards do not hold here,
-or whose child failed, is compiled in the caller's process instead. Cutting only needs every value
-crossing a cut to carry Dynamo's example value (its fake tensor); a graph without them is compiled
-whole (:func:`split` returns ``None``).
+or whose child failed, is compiled in the caller's process instead. Cutting needs every value
+crossing a cut to carry a true example value (its fake tensor): those the engine's graph passes
+left stale are recomputed first (:func:`refresh_examples`); a graph without them is compiled whole
+(:func:`split` returns ``None``).
 
-Twin: the whole graph compiled at once (``"compile_workers": 1``, the default).
+Auto (``"compile_workers": null``, the default): :func:`workers` processes on a CUDA device, as many
+as device and host memory hold (:func:`children_that_fit`); one on the CPU.
+
+Twin: the whole graph compiled at once (``"compile_workers": 1``).
 """
 
 from __future__ import annotations
