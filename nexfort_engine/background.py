@@ -64,8 +64,10 @@ JOBS = "jobs"
 JOB_FILE = "job.pkl"
 RESULT_FILE = "result.json"
 LOG_FILE = "child.log"
-#: a compile worker's compiled part of the graph (split.py)
+#: a compile worker's compiled part of the graph (split.py), and the part it compiles, shipped by
+#: the parent (ship.py)
 PART_FILE = "part.bin"
+PART_IN_FILE = "part_in.bin"
 #: the child's program (``-c``: ``-m`` would run a second copy of this module as ``__main__``)
 _CHILD = "import sys; from nexfort_engine.background import child_main; sys.exit(child_main(sys.argv[1]))"
 #: the child's scheduling priority offset (Linux/macOS ``nice``)
@@ -304,24 +306,47 @@ def start(
     block_hook: Callable[..., Any] | None,
     skip: tuple[type, ...] = (),
     child_globals: Sequence[tuple[str, str, Any]] = (),
-    part: tuple[int, int] | None = None,
-    threads: int | None = None,
-    data: bytes | None = None,
 ) -> Job:
     """Pickle the job and start the child; raises :class:`Unavailable` (nothing started) if the
     module or the inputs cannot travel. ``config`` is the engine's CompileConfig (with
     ``background`` off: the child compiles in its foreground). ``child_globals``: ``(module,
     attribute, value)`` set in the child before the job loads (a host's parsed command line, which
-    its modules read when imported). ``part``: ``(index, count)`` for a compile worker
-    (split.py), which writes that part of the traced graph and commits nothing; ``threads``: the
-    child's Inductor compile threads; ``data``: the job pickled once by :func:`job_data` for
-    several children (the module, inputs and options arguments are then not read)."""
-    if data is None:
-        data = job_data(module=module, args=args, kwargs=kwargs, config=config, label=label, method=method,
-                        block_hook=block_hook, skip=skip)
+    its modules read when imported)."""
+    data = job_data(module=module, args=args, kwargs=kwargs, config=config, label=label, method=method,
+                    block_hook=block_hook, skip=skip)
+    job = _spawn(root, key, data, child_globals, part=None, threads=None)
+    log.info("nexfort: %s: compiling in a background process (pid %d; log %s)", label, job.proc.pid,
+             job.path / LOG_FILE)
+    return job
+
+
+def start_worker(
+    *,
+    root: str | os.PathLike[str],
+    key: str,
+    data: bytes,
+    label: str,
+    part: tuple[int, int],
+    threads: int | None = None,
+    child_globals: Sequence[tuple[str, str, Any]] = (),
+) -> Job:
+    """Start a compile worker (split.py) for part ``part = (index, count)`` of the graph the caller
+    is about to trace. ``data``: what it compiles with, pickled by :func:`dumps` (options, resolved
+    settings, cache key: no model). The worker readies itself, then waits for its part in
+    :data:`PART_IN_FILE` in its job directory (``Job.path``; :mod:`nexfort_engine.ship`), compiles
+    it, writes it to :data:`PART_FILE` and its report, and commits nothing. ``threads``: its
+    Inductor compile threads."""
+    job = _spawn(root, key, data, child_globals, part=part, threads=threads)
+    log.info("nexfort: %s: compile worker for part %d of %d (pid %d; log %s)", label, part[0], part[1],
+             job.proc.pid, job.path / LOG_FILE)
+    return job
+
+
+def _spawn(root: str | os.PathLike[str], key: str, data: bytes, child_globals: Sequence[tuple[str, str, Any]],
+           part: tuple[int, int] | None, threads: int | None) -> Job:
     path = Path(root) / JOBS / key
     path.mkdir(parents=True, exist_ok=True)
-    for name in (RESULT_FILE, JOB_FILE, PART_FILE):
+    for name in (RESULT_FILE, JOB_FILE, PART_FILE, PART_IN_FILE):
         with contextlib.suppress(OSError):
             (path / name).unlink()
     header = {"sys_path": [p for p in sys.path if isinstance(p, str)], "root": str(root), "parent": os.getpid(),
@@ -342,11 +367,6 @@ def start(
     job = Job(key=key, path=path, proc=proc)
     with _running_lock:
         _running[proc.pid] = job
-    if part is None:
-        log.info("nexfort: %s: compiling in a background process (pid %d; log %s)", label, proc.pid, path / LOG_FILE)
-    else:
-        log.info("nexfort: %s: compile worker for part %d of %d (pid %d; log %s)", label, part[0], part[1], proc.pid,
-                 path / LOG_FILE)
     return job
 
 
@@ -394,19 +414,32 @@ def child_main(job_file: str) -> int:
         path.unlink()  # consumed
 
     from . import counters
+    from .compiler import CompiledModule
     from .compiler import compile as nx_compile
 
-    cm = nx_compile(payload["module"], payload["config"], cache_dir=header["root"], label=payload["label"],
-                    method=payload["method"], block_hook=payload["block_hook"])
     if header.get("part") is not None:  # a compile worker (split.py)
-        index, count = header["part"]
+        index, _count = header["part"]
+        times = {"started": started, "loaded": time.time()}
+        cm = CompiledModule.part_worker(payload, header["root"])
+        _ready(payload["config"])
+        times["ready"] = time.time()
         t1 = time.perf_counter()
-        with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
-            why = cm.compile_part(payload["args"], payload["kwargs"], index, count, path.parent / PART_FILE,
-                                  {"started": started, "loaded": time.time()})
-        _write_result(path.parent / RESULT_FILE, {"error": why, "part": index, "load_seconds": round(load_s, 3),
+        data = _wait_for(path.parent / PART_IN_FILE, WORKER_WAIT_S)
+        if data is None:
+            _write_result(path.parent / RESULT_FILE, {"error": f"no part arrived within {WORKER_WAIT_S:.0f}s",
+                                                       "part": index})
+            return 0
+        times["received"] = time.time()
+        wait_s = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        with torch.set_grad_enabled(bool(payload.get("grad", False))):
+            cm.compile_shipped_part(data, path.parent / PART_FILE, times)
+        _write_result(path.parent / RESULT_FILE, {"error": None, "part": index, "load_seconds": round(load_s, 3),
+                                                   "wait_seconds": round(wait_s, 3),
                                                    "compile_seconds": round(time.perf_counter() - t1, 3)})
         return 0
+    cm = nx_compile(payload["module"], payload["config"], cache_dir=header["root"], label=payload["label"],
+                    method=payload["method"], block_hook=payload["block_hook"])
     t1 = time.perf_counter()
     with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
         cm(*payload["args"], **payload["kwargs"])
@@ -423,3 +456,32 @@ def child_main(job_file: str) -> int:
     })
     return 0
 
+
+#: how long a compile worker waits for its part (the parent's trace comes first; a parent that
+#: stops needing it terminates it, one that dies takes it along: _watch_parent)
+WORKER_WAIT_S = 1800.0
+
+
+def _ready(config: Any) -> None:
+    """What a compile worker can do before its part arrives, while the parent traces: import
+    Inductor, start its compile pool, and create the CUDA context it compiles for."""
+    from torch._inductor import compile_fx  # noqa: F401 - the import is the work
+    from torch._inductor.async_compile import AsyncCompile
+
+    if getattr(config, "backend", "inductor") == "inductor":
+        with contextlib.suppress(Exception):  # a pool that does not start is started by the compile
+            AsyncCompile.warm_pool()
+    if torch.cuda.is_available():
+        torch.cuda.init()
+
+
+def _wait_for(path: Path, timeout: float) -> bytes | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            data = path.read_bytes()
+            with contextlib.suppress(OSError):
+                path.unlink()  # consumed
+            return data
+        time.sleep(0.02)
+    return None

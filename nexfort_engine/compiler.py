@@ -174,10 +174,9 @@ class CompiledModule(torch.nn.Module):
         self._nx_aot_used = False
         self._nx_cudagraphs = False
         #: the traced graph is cut into this many parts (split.py; set while tracing), compiled by
-        #: these children (part index -> job); in a child: (its part, where to write it)
+        #: these children (part index -> job)
         self._nx_parts = 1
         self._nx_part_jobs: dict[int, background.Job] = {}
-        self._nx_part_child: tuple[int, Any] | None = None
         #: wall-clock times (time.time) of a split compile's steps, for the counters' phases
         self._nx_part_times: dict[str, float] = {}
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
@@ -238,7 +237,7 @@ class CompiledModule(torch.nn.Module):
             try:
                 compiled = self._compile_split(gm, example_inputs)
             except Exception as e:
-                if isinstance(e, split.PartDone) or self._nx_part_child is not None or type(e).__name__ in PASSTHROUGH:
+                if type(e).__name__ in PASSTHROUGH:
                     raise
                 counters.set_info(self._nx_label, compile_parts=f"off: {type(e).__name__}: {str(e)[:200]}")
                 log.warning("nexfort: %s: cutting the graph failed, compiling it whole (%s: %s)", self._nx_label,
@@ -253,8 +252,10 @@ class CompiledModule(torch.nn.Module):
 
     # -- a graph cut into parts compiled by several processes (split.py)
     def _compile_split(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        """Cut the traced graph into ``self._nx_parts`` parts; compile the parts no child compiles,
-        collect the others from the children (or compile them here where a child did not deliver)."""
+        """Cut the traced graph into ``self._nx_parts`` parts; ship the children theirs, compile the
+        others here, collect the children's (or compile here those a child did not deliver)."""
+        from . import ship
+
         label, count = self._nx_label, self._nx_parts
         self._nx_part_times["backend"] = time.time()
         t_cut = time.perf_counter()
@@ -262,31 +263,35 @@ class CompiledModule(torch.nn.Module):
         t_cut = time.perf_counter() - t_cut
         if cut is None:
             counters.set_info(label, compile_parts=f"off: the graph is too small to cut in {count}")
-            if self._nx_part_child is not None:
-                raise split.PartDone("the graph is not cut: nothing to compile in a child")
             return precompile.serializable(self._compile_graph(gm, example_inputs))
         shape_env = split.shape_env_of([v for p in cut.parts for v in p.inputs])
-        if self._nx_part_child is not None:  # a child: its own part only, written for the parent
-            index, out = self._nx_part_child
+        jobs = dict(self._nx_part_jobs)
+        here: list[str] = []
+        sent: dict[int, str] = {}  # part -> fingerprint, as shipped
+        t_ship = time.perf_counter()
+        for index, job in sorted(jobs.items()):
             part = cut.parts[index]
-            start = len(shape_env.guards) if shape_env is not None else 0
-            self._nx_part_times["cut"] = time.time()
-            data = split.compile_part(part, self._compile_graph)
-            self._nx_part_times["compiled"] = time.time()
-            atomic_write_bytes(out, split.dump_part(index, part.fingerprint(), data,
-                                                    split.guards_since(shape_env, start), self._nx_part_times))
-            raise split.PartDone(f"part {index} of {count} written")
-        jobs = self._nx_part_jobs
+            try:  # before this process compiles anything: the shape environment as traced
+                sent[index] = part.fingerprint()
+                data = ship.dumps((part.index, sent[index], part.single, part.module, part.inputs))
+                atomic_write_bytes(job.path / background.PART_IN_FILE, data)
+            except (ship.ShipError, OSError) as e:
+                job.cancel()
+                del jobs[index]
+                here.append(f"part {index} compiled here: it cannot be shipped ({e})")
+                log.warning("nexfort: %s: part %d of %d compiled here (cannot ship it: %s)", label, index, count, e)
+        t_ship = time.perf_counter() - t_ship
+        self._nx_part_times["shipped"] = time.time()
         blobs: list[bytes | None] = [None] * count
         t0 = time.perf_counter()
         for part in cut.parts:
             if part.index not in jobs:
                 blobs[part.index] = split.compile_part(part, self._compile_graph)
         own_s = time.perf_counter() - t0
-        from_children, here, child_times = 0, [], []
+        from_children, child_times = 0, []
         for index, job in sorted(jobs.items()):
             part = cut.parts[index]
-            got, why = self._collect_part(job, part, shape_env, child_times)
+            got, why = self._collect_part(job, part.index, sent[index], shape_env, child_times)
             if got is None:
                 here.append(f"part {index} compiled here: {why}")
                 log.warning("nexfort: %s: part %d of %d compiled here (%s)", label, index, count, why)
@@ -294,20 +299,21 @@ class CompiledModule(torch.nn.Module):
             else:
                 from_children += 1
             blobs[index] = got
-        for name in ("started", "loaded", "backend", "cut", "compiled"):  # the slowest child's times
+        for name in ("started", "ready", "received", "unpickled", "compiled"):  # the slowest child's times
             times = [t[name] - self._nx_part_times["t0"] for t in child_times if name in t]
             if times and "t0" in self._nx_part_times:
                 counters.set_phase(label, f"children_{name}", max(times))
         counters.set_phase(label, "cut", t_cut)
+        counters.set_phase(label, "ship", t_ship)
         counters.set_info(label, compile_parts="; ".join([f"{count} parts, {from_children} from child processes",
                                                           *here]),
                           compile_parts_own_seconds=round(own_s, 3),
                           compile_parts_wait_seconds=round(time.perf_counter() - t0 - own_s, 3))
         return split.SplitCallable(cut.plan, [b for b in blobs if b is not None])
 
-    def _collect_part(self, job: background.Job, part: split.Part, shape_env: Any,
+    def _collect_part(self, job: background.Job, index: int, fingerprint: str, shape_env: Any,
                       times: list[dict[str, float]]) -> tuple[bytes | None, str]:
-        """Wait for a child's part; its compiled bytes once its graph matches and its guards hold here."""
+        """Wait for a child's part; its compiled bytes once it is the part shipped and its guards hold here."""
         deadline = time.monotonic() + split.CHILD_TIMEOUT_S
         # the report comes before the child's exit, which tears down CUDA and its compile pool
         # (seconds); the parent stops it once it has what it needs
@@ -324,8 +330,8 @@ class CompiledModule(torch.nn.Module):
         except (OSError, ValueError, pickle.UnpicklingError) as e:
             return None, f"its result is unreadable ({type(e).__name__}: {e})"
         times.append(dict(got.get("times") or {}))
-        if got["index"] != part.index or got["fingerprint"] != part.fingerprint():
-            return None, "the child traced another graph"
+        if got["index"] != index or got["fingerprint"] != fingerprint:
+            return None, "the child compiled another part"
         if (why := split.apply_guards(shape_env, got["guards"])) is not None:
             return None, why
         return got["compiled"], ""
@@ -602,7 +608,8 @@ class CompiledModule(torch.nn.Module):
 
     # -- compile workers (split.py): children that compile parts of the graph traced next
     def _start_parts(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> None:
-        """Start the children for the trace about to run; the cut count is what could start."""
+        """Start the compile workers for the trace about to run (they wait for their parts, which
+        :meth:`_compile_split` ships once the graph is cut); the cut count is what could start."""
         self._nx_parts, self._nx_part_jobs = 1, {}
         self._nx_part_times = {"t0": time.time()}
         wanted = split.workers(self._nx_config.compile_workers, self._nx_config.backend, example,
@@ -612,26 +619,29 @@ class CompiledModule(torch.nn.Module):
             return
         children, why = wanted - 1, ""
         if example is not None:
-            fit = split.children_that_fit(self._orig_mod, example.device)
+            fit = split.children_that_fit(example.device)
             if fit < children:
                 children, why = fit, f"device and host memory for {fit} child(ren)"
         count = children + 1
         threads = split.child_threads(count)
-        config = dataclasses.replace(self._nx_config, background=False)
-        try:  # pickled once for all the children
-            data = background.job_data(module=self._orig_mod, args=args, kwargs=kwargs, config=config,
-                                       label=self._nx_name, method=self._nx_method, block_hook=None,
-                                       skip=(CompiledModule,))
+        try:  # what a worker needs to compile a part as this process would: no model, no weights
+            data = background.dumps({
+                "config": dataclasses.replace(self._nx_config, background=False),
+                "settings": self._nx_settings,
+                "group_norm": self._nx_group_norm,
+                "label": self._nx_name,
+                "key": entry.key,
+                "grad": torch.is_grad_enabled(),
+            })
         except background.Unavailable as e:
-            data, why = None, f"cannot hand the model to a child process: {e}"
+            data, why = None, f"cannot hand the options to a child process: {e}"
         for index in range(1, count if data is not None else 1):
             try:
-                job = background.start(
-                    root=self._nx_store.root, key=f"{entry.key}.part{index}", module=self._orig_mod, args=args,
-                    kwargs=kwargs, config=config, label=self._nx_name, method=self._nx_method, block_hook=None,
-                    child_globals=self._nx_child_globals, part=(index, count), threads=threads, data=data,
+                job = background.start_worker(
+                    root=self._nx_store.root, key=f"{entry.key}.part{index}", data=data, label=self._nx_name,
+                    part=(index, count), threads=threads, child_globals=self._nx_child_globals,
                 )
-            except (background.Unavailable, OSError) as e:
+            except OSError as e:
                 why = f"cannot start a child process: {e}"
                 break
             self._nx_part_jobs[index] = job
@@ -639,8 +649,7 @@ class CompiledModule(torch.nn.Module):
             counters.set_info(self._nx_label, compile_parts=f"off: {why or 'no child started'}")
             log.warning("nexfort: %s: compiling the graph whole (%s)", self._nx_label, why)
             return
-        # the children cut into ``count`` parts: so does the caller, and compiles those whose child
-        # did not start itself
+        # the children's parts of a ``count``-way cut: the caller compiles the others
         self._nx_parts = count
         if len(self._nx_part_jobs) + 1 < wanted:
             log.info("nexfort: %s: %d compile workers, not %d (%s)", self._nx_label, len(self._nx_part_jobs) + 1,
@@ -651,29 +660,32 @@ class CompiledModule(torch.nn.Module):
         for job in jobs.values():
             job.cancel()
 
-    def compile_part(self, args: tuple, kwargs: dict, index: int, count: int, out: Any,
-                     times: dict[str, float] | None = None) -> str | None:
-        """In a compile worker (a child process): trace the call as the parent does, compile part
-        ``index`` of ``count`` and write it to ``out``; ``None`` when written, else why not."""
-        self._nx_part_times = dict(times or {})
-        example = _first_tensor(args, kwargs)
-        if self._nx_memory_format is not None:
-            args, kwargs = shapes.to_memory_format(args, kwargs, self._nx_memory_format)
-        self._setup(example)
-        if not self._nx_aot:
-            return "the model is not compiled as one precompiled graph here"
-        if self._nx_conv_weights is not None:  # the parent traces with them converted
-            self._refresh_conv_weights()
-        self._nx_parts, self._nx_part_child = count, (index, out)
-        try:
-            with self._scope():
-                self._aot_trace(args, kwargs, example)
-        except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's signal
-            done = next((x for x in _exception_chain(e) if isinstance(x, split.PartDone)), None)
-            if done is None:
-                raise
-            return None if str(done).endswith("written") else str(done)
-        return "the trace ended without compiling anything"
+    @classmethod
+    def part_worker(cls, payload: dict[str, Any], root: str) -> CompiledModule:
+        """In a compile worker (a child process): a wrapper around no model that compiles graphs
+        as the parent's would (its options, resolved settings and cache entry)."""
+        store = CacheStore(root)
+        cm = cls(torch.nn.Module(), payload["config"], store, label=payload["label"])
+        cm._nx_settings = payload["settings"]
+        cm._nx_group_norm = bool(payload["group_norm"])
+        cm._nx_entry = store.entry(payload["key"])
+        return cm
+
+    def compile_shipped_part(self, data: bytes, out: Any, times: dict[str, float]) -> None:
+        """In a compile worker: compile the part the parent shipped (:mod:`nexfort_engine.ship`)
+        and write it to ``out`` with the size guards its compile added."""
+        from . import ship
+
+        index, fingerprint, single, module, inputs = ship.loads(data)
+        part = split.Part(index=index, module=module, inputs=list(inputs), single=single)
+        shape_env = split.shape_env_of(part.inputs)
+        start = len(shape_env.guards) if shape_env is not None else 0
+        times["unpickled"] = time.time()
+        with self._scope():
+            compiled = split.compile_part(part, self._compile_graph)
+        times["compiled"] = time.time()
+        atomic_write_bytes(out, split.dump_part(index, fingerprint, compiled, split.guards_since(shape_env, start),
+                                                times))
 
     def _aot_unsupported(self, reason: str) -> None:
         counters.set_info(self._nx_label, precompiled=f"off: {reason}")

@@ -64,8 +64,8 @@ _FREE_OPS = ("placeholder", "output", "get_attr")
 PART_FILE = background.PART_FILE
 #: a child that has not delivered its part by then is stopped, and the part compiled here
 CHILD_TIMEOUT_S = 1800.0
-#: what a compile worker needs on the device besides its copy of the weights: its CUDA context
-#: (it traces and compiles; it never runs the model)
+#: what a compile worker needs on the device: its CUDA context (it compiles; it never runs the
+#: model, and holds no weights)
 CHILD_OVERHEAD_BYTES = 1 << 30
 
 
@@ -109,17 +109,17 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def children_that_fit(module: torch.nn.Module, device: torch.device,
+def children_that_fit(device: torch.device,
                       free_fn: Callable[[torch.device], tuple[int, int]] | None = None,
                       host_fn: Callable[[], int | None] = host_available_bytes) -> int:
-    """How many compile workers fit now: their copies of the weights in ``device``'s free memory,
-    and their processes in the host's available memory."""
+    """How many compile workers fit now: their CUDA contexts in ``device``'s free memory, and their
+    processes in the host's available memory."""
     host = host_fn()
     fit = (1 << 16) if host is None else int(host // CHILD_HOST_BYTES)
     if device.type != "cuda":
         return fit
     free, _total = (free_fn or torch.cuda.mem_get_info)(device)
-    return min(fit, int(free // (background.weight_bytes(module, device) + CHILD_OVERHEAD_BYTES)))
+    return min(fit, int(free // CHILD_OVERHEAD_BYTES))
 
 
 def child_threads(count: int) -> int:
@@ -129,10 +129,6 @@ def child_threads(count: int) -> int:
 
 #: seconds each part of the split graph loaded last took to deserialize (diagnostics)
 LOAD_SECONDS: list[float] = []
-
-
-class PartDone(Exception):  # noqa: N818 - a signal, not an error
-    """Raised by a child's backend once its own part is compiled and written: ends the trace."""
 
 
 @dataclass

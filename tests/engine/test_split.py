@@ -14,66 +14,13 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
+from cut_nets import dynamo_graph as _dynamo_graph
+from cut_nets import net as _net
 
 import nexfort_engine
 from nexfort_engine import split
 from nexfort_engine.options import OptionsError, parse_options
 from nexfort_engine.passes import group_norm
-
-
-class Res(torch.nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.n1 = torch.nn.GroupNorm(4, c)
-        self.c1 = torch.nn.Conv2d(c, c, 3, padding=1)
-        self.n2 = torch.nn.GroupNorm(4, c)
-        self.c2 = torch.nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.c2(F.silu(self.n2(self.c1(F.silu(self.n1(x))))))
-
-
-class ConvNet(torch.nn.Module):
-    """ResBlocks with GroupNorms (the pass rewrites them) and a skip across the whole net."""
-
-    def __init__(self, c: int = 16, n: int = 6) -> None:
-        super().__init__()
-        self.i = torch.nn.Conv2d(4, c, 3, padding=1)
-        self.blocks = torch.nn.ModuleList([Res(c) for _ in range(n)])
-        self.o = torch.nn.Conv2d(c, 4, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.i(x)
-        skip = h
-        for block in self.blocks:
-            h = block(h)
-        return self.o(h + skip)
-
-
-def _net() -> ConvNet:
-    torch.manual_seed(0)
-    return ConvNet().eval().requires_grad_(False)
-
-
-def _dynamo_graph(net: torch.nn.Module, x: torch.Tensor, rewrite: bool = False) -> tuple[torch.fx.GraphModule, list]:
-    """The graph Dynamo hands a backend (example values on every node; dynamic batch and size),
-    and the inputs it was called with."""
-    got: dict[str, object] = {}
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        if rewrite:
-            group_norm.rewrite_group_norms(gm)
-        got["gm"], got["inputs"] = gm, list(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    x = x.clone()
-    for d in (0, 2, 3):
-        torch._dynamo.mark_dynamic(x, d)
-    with torch.no_grad():
-        torch.compile(net, backend=backend, dynamic=None)(x)
-    return got["gm"], got["inputs"]  # type: ignore[return-value]
 
 
 @pytest.fixture
@@ -192,19 +139,16 @@ def test_option_is_validated_and_auto_follows_the_device():
     assert resolve(a, cuda=False).digest(a) == resolve(b, cuda=False).digest(b)
 
 
-def test_children_that_fit_in_device_memory(monkeypatch):
-    from nexfort_engine import background
-
-    weights = 5 << 30
-    monkeypatch.setattr(background, "weight_bytes", lambda module, device: weights)
-    per_child = weights + split.CHILD_OVERHEAD_BYTES
+def test_children_that_fit_in_device_memory():
+    """A worker holds no weights (it compiles a shipped part): its CUDA context is what it needs."""
+    per_child = split.CHILD_OVERHEAD_BYTES
     cuda = torch.device("cuda", 0)
     plenty = lambda: 1 << 50  # noqa: E731
-    assert split.children_that_fit(_net(), cuda, lambda d: (3 * per_child + 1, 0), plenty) == 3
-    assert split.children_that_fit(_net(), cuda, lambda d: (per_child - 1, 0), plenty) == 0
+    assert split.children_that_fit(cuda, lambda d: (3 * per_child + 1, 0), plenty) == 3
+    assert split.children_that_fit(cuda, lambda d: (per_child - 1, 0), plenty) == 0
     # the host's memory limits them too
-    assert split.children_that_fit(_net(), cuda, lambda d: (9 * per_child, 0), lambda: 2 * split.CHILD_HOST_BYTES) == 2
-    assert split.children_that_fit(_net(), torch.device("cpu"), host_fn=lambda: None) > 1000
+    assert split.children_that_fit(cuda, lambda d: (9 * per_child, 0), lambda: 2 * split.CHILD_HOST_BYTES) == 2
+    assert split.children_that_fit(torch.device("cpu"), host_fn=lambda: None) > 1000
     assert split.host_available_bytes() is None or split.host_available_bytes() > 0
 
 
@@ -235,7 +179,8 @@ def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_pat
     assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
     assert rec["precompiled"] == "on" and rec["compiles"] == 1
     phases = rec["compile_phases"]
-    assert {"trace_and_compile", "cut", "children_compiled", "load", "first_run"} <= set(phases), phases
+    assert {"trace_and_compile", "cut", "ship", "children_received", "children_compiled", "load",
+            "first_run"} <= set(phases), phases
     # Inductor's CPU kernels against eager, both float32, one process
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     # a restart (a new wrapper, Dynamo reset): the saved split graph loads, nothing compiles
@@ -250,30 +195,31 @@ def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_pat
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
-def test_a_part_no_child_delivers_is_compiled_here(small_parts, tmp_path, fresh_stats, clean_dynamo, monkeypatch):
-    """The child starts with a minimum part size the graph does not reach: it does not cut the
-    graph and reports so; the parent, which does cut it, compiles that part itself."""
-    import os
+def test_parts_that_cannot_ship_or_are_not_delivered_are_compiled_here(small_parts, tmp_path, fresh_stats,
+                                                                         clean_dynamo, monkeypatch):
+    """Part 1 cannot be pickled (its worker is stopped), part 2's worker crashes on what it
+    receives: the parent compiles both itself, and the output is still the model's."""
+    from nexfort_engine import ship
 
-    from nexfort_engine import background
+    dumps = ship.dumps
 
-    start = background.start
+    def dumps_failing_part_1(obj):
+        if obj[0] == 1:
+            raise ship.ShipError("TypeError: cannot pickle this (a test)")
+        if obj[0] == 2:
+            return b"not a pickle"
+        return dumps(obj)
 
-    def start_child_with_a_larger_minimum(**kw):
-        os.environ[split.ENV_MIN_PART_NODES] = "100000"  # the child copies the environment
-        try:
-            return start(**kw)
-        finally:
-            os.environ[split.ENV_MIN_PART_NODES] = "4"
-
-    monkeypatch.setattr(background, "start", start_child_with_a_larger_minimum)
-    net, cm = _compile(tmp_path, compile_workers=2)
+    monkeypatch.setattr(ship, "dumps", dumps_failing_part_1)
+    net, cm = _compile(tmp_path)
     x = torch.randn(1, 4, 16, 16)
     with torch.inference_mode():
         out = cm(x)
         want = net(x)
     rec = _record(fresh_stats)
     assert rec["fallbacks"] == 0, rec["fallback_reasons"]
-    assert rec["compile_parts"].startswith("2 parts, 0 from child processes"), rec["compile_parts"]
-    assert "part 1 compiled here: the graph is not cut" in rec["compile_parts"], rec["compile_parts"]
+    parts = rec["compile_parts"]
+    assert parts.startswith("3 parts, 0 from child processes"), parts
+    assert "part 1 compiled here: it cannot be shipped (TypeError: cannot pickle this" in parts, parts
+    assert "part 2 compiled here: exit code" in parts, parts
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)

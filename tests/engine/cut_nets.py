@@ -1,0 +1,62 @@
+"""Small models whose Dynamo graphs the split and ship tests cut (test_split.py, test_ship.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nexfort_engine.passes import group_norm
+
+
+class Res(torch.nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.n1 = torch.nn.GroupNorm(4, c)
+        self.c1 = torch.nn.Conv2d(c, c, 3, padding=1)
+        self.n2 = torch.nn.GroupNorm(4, c)
+        self.c2 = torch.nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c2(F.silu(self.n2(self.c1(F.silu(self.n1(x))))))
+
+
+class ConvNet(torch.nn.Module):
+    """ResBlocks with GroupNorms (the pass rewrites them) and a skip across the whole net."""
+
+    def __init__(self, c: int = 16, n: int = 6) -> None:
+        super().__init__()
+        self.i = torch.nn.Conv2d(4, c, 3, padding=1)
+        self.blocks = torch.nn.ModuleList([Res(c) for _ in range(n)])
+        self.o = torch.nn.Conv2d(c, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.i(x)
+        skip = h
+        for block in self.blocks:
+            h = block(h)
+        return self.o(h + skip)
+
+
+def net() -> ConvNet:
+    torch.manual_seed(0)
+    return ConvNet().eval().requires_grad_(False)
+
+
+def dynamo_graph(net: torch.nn.Module, x: torch.Tensor, rewrite: bool = False) -> tuple[torch.fx.GraphModule, list]:
+    """The graph Dynamo hands a backend (example values on every node; dynamic batch and size),
+    and the inputs it was called with."""
+    got: dict[str, object] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        if rewrite:
+            group_norm.rewrite_group_norms(gm)
+        got["gm"], got["inputs"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = x.clone()
+    for d in (0, 2, 3):
+        torch._dynamo.mark_dynamic(x, d)
+    with torch.no_grad():
+        torch.compile(net, backend=backend, dynamic=None)(x)
+    return got["gm"], got["inputs"]  # type: ignore[return-value]
