@@ -35,6 +35,7 @@ worker did not deliver).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 from typing import Any, NamedTuple
@@ -42,8 +43,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx._graph_pickler import GraphPickler, Options, _TensorPickleData, patch_pytree_map_over_slice
+from torch.fx._graph_pickler import GraphPickler, Options, _TensorPickleData
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+try:  # torch >= 2.12: slices in a graph's arguments are pytree nodes while pickling
+    from torch.fx._graph_pickler import patch_pytree_map_over_slice
+except ImportError:  # torch 2.11: the engine's own argument walk (_swap) handles slices
+    patch_pytree_map_over_slice = contextlib.nullcontext
 
 #: node metadata that travels (the rest is for debugging and stack traces of errors, and holds
 #: objects that do not pickle: module stacks, source functions)
@@ -174,4 +180,5 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes) -> Any:
     """Rebuild what :func:`dumps` pickled, in a fresh fake mode with its own shape environment."""
-    return GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+    with patch_pytree_map_over_slice():
+        return GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))

@@ -2,33 +2,37 @@
 
 What: with ``"compile_workers": N`` (N > 1), the graph Dynamo traces from a whole model is cut into N
 consecutive parts of about equal node count (:func:`split`, torch.fx's ``split_module``). Each part
-is compiled by AOTAutograd and Inductor on its own: N - 1 of them in child processes started when
-the trace starts (:mod:`nexfort_engine.background` carries the model and the call's inputs there;
-every child traces the same graph, cuts it the same way and compiles only its own part), one in
-the caller's process. The caller collects the children's compiled parts as bytes, adds the size
-guards each part's compile made to its own shape environment (:func:`apply_guards`), and returns a
-:class:`SplitCallable`: a fixed plan that calls the parts in order and passes values between them.
-It saves and loads as the whole graph's compiled function would (a warm start loads one module per
-part: SDXL's took 2-4 s longer on an H200, BENCHMARKS.md twenty-third session).
+is compiled by AOTAutograd and Inductor on its own: N - 1 of them by compile workers, child
+processes started when the trace starts (:func:`nexfort_engine.background.start_worker`), one in
+the caller's process. A worker holds no model: it gets the engine's options and resolved settings,
+readies itself (Inductor imported, its compile pool and CUDA context started) while the caller
+traces, and then receives its part, pickled by :mod:`nexfort_engine.ship` (the part's graph, the
+fake values of its inputs, the shape environment). The caller collects the compiled parts as
+bytes, adds the size guards each part's compile made to its own shape environment
+(:func:`apply_guards`), and returns a :class:`SplitCallable`: a fixed plan that calls the parts in
+order and passes values between them. It saves and loads as the whole graph's compiled function
+would (a warm start loads one module per part: SDXL's took 2-4 s longer on an H200, BENCHMARKS.md
+twenty-third session).
 
 Why: AOTAutograd's and Inductor's work on one graph runs on a single Python thread. A dynamic-shape
 UNet's cold compile is mostly that work (SDXL: 128 of 175 s on an H200, BENCHMARKS.md twenty-first
 session), and it grows with the node count, so N processes divide it by about N. What is not
-divided: starting a child (importing torch and the host's model classes), the trace (each child
-traces too, at the same time as the caller), and loading the parts. Measured with 6 processes:
-SD2.1 84-128 s -> 55-64 s, SDXL 170-175 s -> 87-99 s, the same speed (runs 180-183).
+divided: the trace, the cut, and loading the parts. Measured with 6 processes when every worker
+still traced the model itself (with its own zero-filled copy of the weights on the GPU): SD2.1
+84-128 s -> 55-64 s, SDXL 170-175 s -> 87-99 s, the same speed (runs 180-183). Shipping the part
+instead takes the workers' traces (six at once: SDXL 27 s) and their copies of the weights away.
 
 What a cut costs at run time: kernels do not fuse across a cut (cuts fall between nodes, N - 1 of
 them), and under CUDA graphs each part is its own recorded graph, replayed one after another.
 
-Safety: a part whose graph differs from the caller's (fingerprint), whose guards do not hold here,
-or whose child failed, is compiled in the caller's process instead. Cutting needs every value
-crossing a cut to carry a true example value (its fake tensor): those the engine's graph passes
-left stale are recomputed first (:func:`refresh_examples`); a graph without them is compiled whole
-(:func:`split` returns ``None``).
+Safety: a part that cannot be shipped, whose worker failed, or whose guards do not hold here, is
+compiled in the caller's process instead. Cutting needs every value crossing a cut to carry a true
+example value (its fake tensor): those the engine's graph passes left stale are recomputed first
+(:func:`refresh_examples`); a graph without them is compiled whole (:func:`split` returns ``None``).
 
 Auto (``"compile_workers": null``, the default): :func:`workers` processes on a CUDA device, as many
-as device and host memory hold (:func:`children_that_fit`); one on the CPU.
+as device memory (a CUDA context each) and host memory hold (:func:`children_that_fit`); one on the
+CPU.
 
 Twin: the whole graph compiled at once (``"compile_workers": 1``).
 """
@@ -52,8 +56,8 @@ from . import background
 
 log = logging.getLogger(__name__)
 
-#: a graph with fewer compute nodes than this per part is not cut (each part costs a child's start);
-#: ``NEXFORT_MIN_PART_NODES`` overrides it (children read it too: tests cut tiny graphs)
+#: a graph with fewer compute nodes than this per part is not cut (each part costs a worker);
+#: ``NEXFORT_MIN_PART_NODES`` overrides it (tests cut tiny graphs)
 MIN_NODES_PER_PART = 64
 ENV_MIN_PART_NODES = "NEXFORT_MIN_PART_NODES"
 #: op codes that are bookkeeping, not compute: not counted when balancing the parts
@@ -70,15 +74,16 @@ CHILD_OVERHEAD_BYTES = 1 << 30
 
 
 #: auto: at most this many processes (the caller included); SD2.1 on a 16-core H200 host compiled
-#: in 69.7 s with 4, 56.3 s with 6 and 88.3 s with 8 (more processes slow each other's traces)
+#: in 69.7 s with 4, 56.3 s with 6 and 88.3 s with 8, when every worker still traced the model
+#: (more processes slowed each other's traces; not re-measured with shipped parts)
 AUTO_WORKERS = 6
 
 
 def workers(option: int | None, backend: str, example: torch.Tensor | None, flags: Sequence[str] = ()) -> int:
     """How many processes (the caller included) compile a traced graph: the option, else (auto)
     up to :data:`AUTO_WORKERS` on a CUDA device, one per two cores; one on the CPU (its Inductor
-    compiles C++ with all cores already). Always one under ``freezing``: a child's weights are
-    zeros, which that flag would bake into the graph."""
+    compiles C++ with all cores already). Always one under ``freezing``: that flag bakes the
+    weights' values into the graph, and a worker has none."""
     if backend != "inductor" or "freezing" in flags:
         return 1
     if option is not None:
@@ -93,7 +98,7 @@ def _cores() -> int:
 
 
 #: host memory a compile worker is assumed to need (an estimate, not measured: a Python process
-#: with torch, the host's model code and a traced graph)
+#: with torch, Inductor, its compile pool and one part's graph)
 CHILD_HOST_BYTES = 4 << 30
 
 

@@ -20,7 +20,8 @@ from nexfort_engine import ship, split
 
 
 class Chunky(torch.nn.Module):
-    """A chunk whose halves are used far apart (a view crosses the cut), and a constant table."""
+    """A chunk whose halves are used far apart (a view crosses the cut), a constant table, and a
+    slice bounded by a traced size (a node inside a slice)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,7 +33,7 @@ class Chunky(torch.nn.Module):
         h, late = self.a(x).chunk(2, dim=-1)
         for layer in self.layers:
             h = torch.nn.functional.gelu(layer(h)) + self.table
-        return h * late
+        return (h * late)[:, : x.shape[1] - 1]
 
 
 @pytest.fixture
@@ -114,6 +115,16 @@ def test_views_and_constants_cross_intact(small_parts, clean_dynamo):
             if isinstance(a, torch.Tensor):
                 assert b._is_view() == a._is_view()
                 assert str(b.storage_offset()) == str(a.storage_offset())
+    bounds = [b for n in gm.graph.nodes for a in _flat(n.args) if isinstance(a, slice)
+              for b in (a.start, a.stop, a.step) if isinstance(b, torch.fx.Node)]
+    assert bounds, "the last slice's bound should be a node of the graph"
+
+
+def _flat(args: object) -> list:
+    """Every value inside nested tuples and lists (slices kept whole)."""
+    if isinstance(args, (tuple, list)):
+        return [v for a in args for v in _flat(a)]
+    return [args]
 
 
 def _dynamo_graph_3d(net: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list]:

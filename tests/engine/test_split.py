@@ -85,8 +85,10 @@ def test_stale_group_norm_layouts_are_refreshed(small_parts, clean_dynamo):
         value = real.get(n)
         if n.op in ("call_function", "call_method") and isinstance(value, torch.Tensor) and value.dim() == 4:
             fake = n.meta["example_value"]
-            for fmt in (torch.contiguous_format, torch.channels_last):
-                assert fake.is_contiguous(memory_format=fmt) == value.is_contiguous(memory_format=fmt), (n, fmt)
+            # the fake strides at the traced sizes (torch 2.11 answers is_contiguous(channels_last)
+            # on symbolic strides conservatively: compare the strides themselves)
+            strides = tuple(int(st.node.hint) if isinstance(st, torch.SymInt) else st for st in fake.stride())
+            assert strides == value.stride(), (n, strides, value.stride())
             checked += 1
     assert checked > 3 * len(norms)
     fresh = [split._layout(n.meta["example_value"]) for n in norms]
