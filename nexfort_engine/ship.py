@@ -55,7 +55,7 @@ except ImportError:  # torch 2.11: the engine's own argument walk (_swap) handle
 #: objects that do not pickle: module stacks, source functions)
 NODE_META = ("example_value", "val", "tensor_dict", "stack_trace")
 #: graph-module metadata that travels (AOTAutograd reads it to know the graph came from Dynamo)
-MODULE_META = ("dynamo_compile_id",)
+MODULE_META = ("dynamo_compile_id", "dynamo_flat_name_to_original_fqn")
 
 
 class ShipError(RuntimeError):
