@@ -46,6 +46,15 @@ def zoo(comfy_inproc):
 
 
 @pytest.fixture
+def patcher(comfy_inproc):
+    """The node layer's ``nodes/patcher.py`` (it compiles a ComfyUI ModelPatcher's model)."""
+    from pack_modules import nodes_module
+
+    with nodes_module("patcher", pkg="_nexfort_pack_engine") as mod:
+        yield mod
+
+
+@pytest.fixture
 def clean_dynamo(monkeypatch):
     """No cache dir from the environment, and Dynamo's caches and counters reset around the test
     (graph counts are compared; test_regional.py has its own, with fresh counters too)."""

@@ -239,14 +239,6 @@ def test_parent_runs_what_the_child_compiled(tmp_path, fresh_stats, clean_dynamo
     assert rec["compiles"] == 0 and rec["cache_hits"] == 1
 
 
-@pytest.fixture
-def patcher(comfy_inproc):
-    from pack_modules import nodes_module
-
-    with nodes_module("patcher", pkg="_nexfort_pack_bg") as mod:
-        yield mod
-
-
 @pytest.mark.inductor
 @pytest.mark.parametrize("family", ["sd15", "pixart"])
 def test_comfy_model_compiles_in_the_background(family, patcher, tmp_path, monkeypatch, fresh_stats, clean_dynamo):

@@ -170,6 +170,7 @@ def _record(stats) -> dict:
     return next(iter(models.values()))
 
 
+@pytest.mark.inductor
 def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_path, fresh_stats, clean_dynamo):
     net, cm = _compile(tmp_path)
     x = torch.randn(2, 4, 16, 16)
@@ -197,6 +198,7 @@ def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_pat
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
+@pytest.mark.inductor
 def test_parts_that_cannot_ship_or_are_not_delivered_are_compiled_here(small_parts, tmp_path, fresh_stats,
                                                                          clean_dynamo, monkeypatch):
     """Part 1 cannot be pickled (its worker is stopped), part 2's worker crashes on what it
@@ -225,3 +227,23 @@ def test_parts_that_cannot_ship_or_are_not_delivered_are_compiled_here(small_par
     assert "part 1 compiled here: it cannot be shipped (TypeError: cannot pickle this" in parts, parts
     assert "part 2 compiled here: exit code" in parts, parts
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.inductor
+def test_comfyuis_unet_compiles_in_shipped_parts_under_its_sampler(small_parts, patcher, tmp_path, monkeypatch,
+                                                                    fresh_stats, clean_dynamo):
+    """ComfyUI's SD1.5 UNet class through the node layer and ComfyUI's sampler: three parts, two
+    compiled by workers from what the caller shipped; the image is eager's."""
+    import tiny_models
+
+    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(tmp_path))
+    mp = tiny_models.tiny_sd15()
+    h, w = tiny_models.RESOLUTIONS["sd15"][0]
+    ref = tiny_models.sample(mp, h, w, steps=2)
+    m = patcher.compile_model_patcher(mp, parse_options({"mode": "O1", "compile_workers": 3}))
+    out = tiny_models.sample(m, h, w, steps=2)
+    rec = _record(fresh_stats)
+    assert rec["fallbacks"] == 0, rec["fallback_reasons"]
+    assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
+    assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec
+    assert tiny_models.rel_err(out, ref) <= 1e-3
