@@ -28,6 +28,11 @@ entry behind (an entry is only trusted once committed) and the parent compiles i
 foreground. A compile that fails in the child is reported back, and the parent runs eager, as
 after a failed foreground compile.
 
+The same process plumbing (job directory, log, report, parent watch, cancellation) starts the
+compile workers of :mod:`nexfort_engine.split` (:func:`start_worker`). A worker's job holds no
+model: the engine's options, resolved settings and cache key. It waits for the part of the graph
+the parent ships it (:mod:`nexfort_engine.ship`), compiles that part and writes it back.
+
 Twin: the foreground compile (``"background": false``, the default), which runs the same engine
 code in the caller's process.
 """
