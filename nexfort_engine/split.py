@@ -433,39 +433,50 @@ def load_part(blob: bytes) -> dict[str, Any]:
 # -- the compiled function of a split graph ----------------------------------------------------
 
 
-def _serializable_base() -> type:
+def _make_split_callable() -> type:
+    """The :class:`SplitCallable` class. It subclasses torch's ``SerializableCallable``, whose module
+    imports Dynamo, Inductor and Triton: made at first use (``split.SplitCallable``, by this
+    module's ``__getattr__``), not when the engine is imported (tests/test_lean_import.py)."""
     from torch._dynamo.aot_compile_types import SerializableCallable
 
-    return SerializableCallable
+    class SplitCallable(SerializableCallable):  # type: ignore[misc,valid-type]
+        """The parts' compiled functions run by a :class:`Plan`; saved as the plan plus each part's
+        bytes. Built from bytes in the compiling process too: ``precompile`` reloads what it saved."""
+
+        def __init__(self, plan: Plan, parts: list[bytes], fns: list[Callable[..., Any]] | None = None) -> None:
+            self.plan = plan
+            self.parts = parts
+            self._fns = fns
+
+        @classmethod
+        def serialize_compile_artifacts(cls, fn: Any) -> bytes:
+            return pickle.dumps({"plan": fn.plan, "parts": fn.parts}, protocol=pickle.HIGHEST_PROTOCOL)
+
+        @classmethod
+        def deserialize_compile_artifacts(cls, data: bytes) -> Any:
+            from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+            state = pickle.loads(data)  # noqa: S301 - our own artifact (precompile checks its envelope)
+            fns = []
+            LOAD_SECONDS.clear()
+            for blob in state["parts"]:
+                t0 = time.perf_counter()
+                fns.append(BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(blob))
+                LOAD_SECONDS.append(round(time.perf_counter() - t0, 3))
+            return cls(state["plan"], state["parts"], fns)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if self._fns is None:
+                raise RuntimeError("a split graph runs once loaded (SplitCallable.deserialize_compile_artifacts)")
+            return self.plan.run(self._fns, args)
+
+    SplitCallable.__module__, SplitCallable.__qualname__ = __name__, "SplitCallable"
+    return SplitCallable
 
 
-class SplitCallable(_serializable_base()):  # type: ignore[misc]
-    """The parts' compiled functions run by a :class:`Plan`; saved as the plan plus each part's
-    bytes. Built from bytes in the compiling process too: ``precompile`` reloads what it saved."""
-
-    def __init__(self, plan: Plan, parts: list[bytes], fns: list[Callable[..., Any]] | None = None) -> None:
-        self.plan = plan
-        self.parts = parts
-        self._fns = fns
-
-    @classmethod
-    def serialize_compile_artifacts(cls, fn: SplitCallable) -> bytes:
-        return pickle.dumps({"plan": fn.plan, "parts": fn.parts}, protocol=pickle.HIGHEST_PROTOCOL)
-
-    @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes) -> SplitCallable:
-        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
-
-        state = pickle.loads(data)  # noqa: S301 - our own artifact (precompile checks its envelope)
-        fns = []
-        LOAD_SECONDS.clear()
-        for blob in state["parts"]:
-            t0 = time.perf_counter()
-            fns.append(BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(blob))
-            LOAD_SECONDS.append(round(time.perf_counter() - t0, 3))
-        return cls(state["plan"], state["parts"], fns)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fns is None:
-            raise RuntimeError("a split graph runs once loaded (SplitCallable.deserialize_compile_artifacts)")
-        return self.plan.run(self._fns, args)
+def __getattr__(name: str) -> Any:
+    if name == "SplitCallable":  # pickled saved graphs name it: nexfort_engine.split.SplitCallable
+        cls = _make_split_callable()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
