@@ -247,3 +247,28 @@ def test_comfyuis_unet_compiles_in_shipped_parts_under_its_sampler(small_parts, 
     assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
     assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec
     assert tiny_models.rel_err(out, ref) <= 1e-3
+
+
+def test_a_worker_waits_for_its_part_and_stops_when_cancelled(tmp_path):
+    """A worker holds no model: its job is the options, settings and cache key. Started, it readies
+    itself and waits for the part the parent would ship; the parent cancels it (the trace failed,
+    or the graph was compiled whole) and it is gone, having written no part."""
+    import time
+
+    from nexfort_engine import background
+    from nexfort_engine.settings import resolve
+
+    config = parse_options({"mode": "O1", "compile_workers": 2})
+    data = background.dumps({"config": config, "settings": resolve(config, cuda=False), "group_norm": False,
+                             "label": "Net", "key": "ab" * 32, "grad": False})
+    assert len(data) < 64 * 1024  # no weights travel
+    job = background.start_worker(root=tmp_path, key="ab" * 32 + ".part1", data=data, label="Net", part=(1, 2))
+    deadline = time.monotonic() + 120
+    while (job.path / background.JOB_FILE).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the job file is consumed once the worker has loaded it
+    assert not (job.path / background.JOB_FILE).exists(), background._tail(job.path / background.LOG_FILE)
+    time.sleep(1.0)
+    assert not job.done(), background._tail(job.path / background.LOG_FILE)  # waiting for its part
+    job.cancel()
+    assert job.done() and job.proc.returncode != 0
+    assert not (job.path / background.PART_FILE).exists()
