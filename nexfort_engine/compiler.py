@@ -299,7 +299,7 @@ class CompiledModule(torch.nn.Module):
             else:
                 from_children += 1
             blobs[index] = got
-        for name in ("started", "ready", "received", "unpickled", "compiled"):  # the slowest child's times
+        for name in ("started", "loaded", "ready", "received", "unpickled", "compiled"):  # the slowest worker's
             times = [t[name] - self._nx_part_times["t0"] for t in child_times if name in t]
             if times and "t0" in self._nx_part_times:
                 counters.set_phase(label, f"children_{name}", max(times))

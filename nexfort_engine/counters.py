@@ -75,9 +75,9 @@ class _Record:
     compile_parts_own_seconds: float = 0.0
     compile_parts_wait_seconds: float = 0.0
     #: seconds per step of the last cold compile of a precompiled graph (start_workers,
-    #: trace_and_compile, cut, save, load, first_run; a split compile's slowest child per step,
-    #: from the trace's start: children_started, children_loaded, children_backend, children_cut,
-    #: children_compiled)
+    #: trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest worker per
+    #: step, from the trace's start: children_started, children_loaded, children_ready,
+    #: children_received, children_unpickled, children_compiled)
     compile_phases: dict[str, float] = field(default_factory=dict)
     updated: float = field(default_factory=time.time)
 
