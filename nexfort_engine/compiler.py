@@ -177,8 +177,8 @@ class CompiledModule(torch.nn.Module):
         #: these children (part index -> job)
         self._nx_parts = 1
         self._nx_part_jobs: dict[int, background.Job] = {}
-        #: wall-clock times (time.time) of a split compile's steps, for the counters' phases
-        self._nx_part_times: dict[str, float] = {}
+        #: when the workers of the last split compile started (time.time): their phases count from it
+        self._nx_parts_t0 = 0.0
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
         self._nx_fp8: ModuleWeights | None = None
         #: channels-last conv weights (weight_layout.py), refreshed before every compiled call
@@ -257,7 +257,6 @@ class CompiledModule(torch.nn.Module):
         from . import ship
 
         label, count = self._nx_label, self._nx_parts
-        self._nx_part_times["backend"] = time.time()
         t_cut = time.perf_counter()
         cut = split.split(gm, count)
         t_cut = time.perf_counter() - t_cut
@@ -281,7 +280,6 @@ class CompiledModule(torch.nn.Module):
                 here.append(f"part {index} compiled here: it cannot be shipped ({e})")
                 log.warning("nexfort: %s: part %d of %d compiled here (cannot ship it: %s)", label, index, count, e)
         t_ship = time.perf_counter() - t_ship
-        self._nx_part_times["shipped"] = time.time()
         blobs: list[bytes | None] = [None] * count
         t0 = time.perf_counter()
         for part in cut.parts:
@@ -300,8 +298,8 @@ class CompiledModule(torch.nn.Module):
                 from_children += 1
             blobs[index] = got
         for name in ("started", "loaded", "ready", "received", "unpickled", "compiled"):  # the slowest worker's
-            times = [t[name] - self._nx_part_times["t0"] for t in child_times if name in t]
-            if times and "t0" in self._nx_part_times:
+            times = [t[name] - self._nx_parts_t0 for t in child_times if name in t]
+            if times:
                 counters.set_phase(label, f"children_{name}", max(times))
         counters.set_phase(label, "cut", t_cut)
         counters.set_phase(label, "ship", t_ship)
@@ -326,7 +324,7 @@ class CompiledModule(torch.nn.Module):
         if report.get("crashed") or report.get("error"):
             return None, str(report.get("crashed") or report.get("error"))
         try:
-            got = split.load_part((job.path / split.PART_FILE).read_bytes())
+            got = split.load_part((job.path / background.PART_FILE).read_bytes())
         except (OSError, ValueError, pickle.UnpicklingError) as e:
             return None, f"its result is unreadable ({type(e).__name__}: {e})"
         times.append(dict(got.get("times") or {}))
@@ -566,7 +564,7 @@ class CompiledModule(torch.nn.Module):
         label = self._nx_label
         try:
             t0 = time.perf_counter()
-            self._start_parts(args, kwargs, example)
+            self._start_parts(example)
             t1 = time.perf_counter()
             try:
                 compiled, recorder = self._aot_trace(args, kwargs, example)
@@ -607,11 +605,11 @@ class CompiledModule(torch.nn.Module):
         return precompile.trace(target, (self._orig_mod, *trace_args), trace_kwargs, self._backend, self_name)
 
     # -- compile workers (split.py): children that compile parts of the graph traced next
-    def _start_parts(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> None:
+    def _start_parts(self, example: torch.Tensor | None) -> None:
         """Start the compile workers for the trace about to run (they wait for their parts, which
         :meth:`_compile_split` ships once the graph is cut); the cut count is what could start."""
         self._nx_parts, self._nx_part_jobs = 1, {}
-        self._nx_part_times = {"t0": time.time()}
+        self._nx_parts_t0 = time.time()
         wanted = split.workers(self._nx_config.compile_workers, self._nx_config.backend, example,
                                self._nx_config.flags)
         entry = self._nx_entry

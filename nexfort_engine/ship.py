@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import fx
@@ -62,8 +62,9 @@ class ShipError(RuntimeError):
     """A part that cannot be pickled (the message says what); the caller compiles it itself."""
 
 
-class _Arg(NamedTuple):
-    """A node argument, by the node's name."""
+@dataclasses.dataclass(frozen=True)
+class _Arg:
+    """A node argument, by the node's name (not a tuple: ``map_aggregate`` keeps it whole)."""
 
     name: str
 
@@ -113,17 +114,7 @@ def _set_attr(root: torch.nn.Module, target: str, value: Any) -> None:
 
 def _swap(obj: Any, env: dict[str, fx.Node]) -> Any:
     """Arguments with :class:`_Arg` replaced by the rebuilt nodes."""
-    if isinstance(obj, _Arg):
-        return env[obj.name]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_swap(o, env) for o in obj)
-    if isinstance(obj, list):
-        return [_swap(o, env) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _swap(v, env) for k, v in obj.items()}
-    if isinstance(obj, slice):
-        return slice(_swap(obj.start, env), _swap(obj.stop, env), _swap(obj.step, env))
-    return obj
+    return fx.node.map_aggregate(obj, lambda a: env[a.name] if isinstance(a, _Arg) else a)
 
 
 def _rebuild_module(state: dict[str, Any]) -> fx.GraphModule:

@@ -52,8 +52,6 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from . import background
-
 log = logging.getLogger(__name__)
 
 #: a graph with fewer compute nodes than this per part is not cut (each part costs a worker);
@@ -64,8 +62,6 @@ ENV_MIN_PART_NODES = "NEXFORT_MIN_PART_NODES"
 _FREE_OPS = ("placeholder", "output", "get_attr")
 
 
-#: a child's compiled part, in its job directory
-PART_FILE = background.PART_FILE
 #: a child that has not delivered its part by then is stopped, and the part compiled here
 CHILD_TIMEOUT_S = 1800.0
 #: what a compile worker needs on the device: its CUDA context (it compiles; it never runs the

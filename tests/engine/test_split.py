@@ -170,15 +170,22 @@ def _record(stats) -> dict:
     return next(iter(models.values()))
 
 
-@pytest.mark.inductor
-def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_path, fresh_stats, clean_dynamo):
-    net, cm = _compile(tmp_path)
-    x = torch.randn(2, 4, 16, 16)
+def _compiled_run(cache_dir, stats, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The conv net compiled with three workers and called on ``x``: (compiled output, eager output,
+    the model's counters), after checking that nothing fell back to eager."""
+    net, cm = _compile(cache_dir)
     with torch.inference_mode():
         out = cm(x)
         want = net(x)
-    rec = _record(fresh_stats)
+    rec = _record(stats)
     assert rec["fallbacks"] == 0, rec["fallback_reasons"]
+    return out, want, rec
+
+
+@pytest.mark.inductor
+def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_path, fresh_stats, clean_dynamo):
+    x = torch.randn(2, 4, 16, 16)
+    out, want, rec = _compiled_run(tmp_path, fresh_stats, x)
     assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
     assert rec["precompiled"] == "on" and rec["compiles"] == 1
     phases = rec["compile_phases"]
@@ -215,13 +222,7 @@ def test_parts_that_cannot_ship_or_are_not_delivered_are_compiled_here(small_par
         return dumps(obj)
 
     monkeypatch.setattr(ship, "dumps", dumps_failing_part_1)
-    net, cm = _compile(tmp_path)
-    x = torch.randn(1, 4, 16, 16)
-    with torch.inference_mode():
-        out = cm(x)
-        want = net(x)
-    rec = _record(fresh_stats)
-    assert rec["fallbacks"] == 0, rec["fallback_reasons"]
+    out, want, rec = _compiled_run(tmp_path, fresh_stats, torch.randn(1, 4, 16, 16))
     parts = rec["compile_parts"]
     assert parts.startswith("3 parts, 0 from child processes"), parts
     assert "part 1 compiled here: it cannot be shipped (TypeError: cannot pickle this" in parts, parts
