@@ -137,7 +137,8 @@ def nexfort_counts() -> dict[str, Any]:
         # "compile_workers": the cut and where the parts were compiled, per model
         "compile_parts": {k: {"parts": m.get("compile_parts", ""),
                               "own_s": m.get("compile_parts_own_seconds", 0.0),
-                              "wait_s": m.get("compile_parts_wait_seconds", 0.0)}
+                              "wait_s": m.get("compile_parts_wait_seconds", 0.0),
+                              "slowest_child": m.get("compile_parts_slowest_child", {})}
                           for k, m in s.get("models", {}).items() if m.get("compile_parts")},
         # seconds per step of each model's last cold compile of a precompiled graph
         "compile_phases": {k: m["compile_phases"] for k, m in s.get("models", {}).items() if m.get("compile_phases")},

@@ -74,6 +74,9 @@ class _Record:
     compile_parts: str = ""
     compile_parts_own_seconds: float = 0.0
     compile_parts_wait_seconds: float = 0.0
+    #: the worker whose part compiled longest: {"part", "compile_s", "phases_s": torch's longest
+    #: compile phases in it} (split.slowest_child)
+    compile_parts_slowest_child: dict[str, Any] = field(default_factory=dict)
     #: seconds per step of the last cold compile of a precompiled graph (start_workers,
     #: trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest worker per
     #: step, from the trace's start: children_started, children_loaded, children_ready,
@@ -110,6 +113,7 @@ class _Record:
             compile_parts=self.compile_parts,
             compile_parts_own_seconds=round(self.compile_parts_own_seconds, 3),
             compile_parts_wait_seconds=round(self.compile_parts_wait_seconds, 3),
+            compile_parts_slowest_child=dict(self.compile_parts_slowest_child),
             compile_phases=dict(self.compile_phases),
             updated=self.updated,
         )

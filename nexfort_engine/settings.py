@@ -235,6 +235,14 @@ def resolve(
         # session). Static shapes keep it (PixArt O3 static started warm in 11.6 s). An explicit
         # "inductor.coordinate_descent_tuning" option still wins (overrides come next).
         inductor["coordinate_descent_tuning"] = False
+    if not inductor.get("max_autotune_pointwise"):
+        # Inductor's default benchmarks the candidate block sizes of every pointwise kernel at its
+        # first call: 10.0 s of SD2.1's first sampling step and 8.6 s of SDXL's in a cold compile
+        # on an H100 (cached afterwards). The heuristic's one config ran as fast: SD2.1 13.04-13.08
+        # vs 13.16-13.26 ms per step, SDXL 30.36-30.50 vs 30.25-30.32 it/s (BENCHMARKS.md, run186).
+        # Reductions are still tuned; max-autotune tunes pointwise kernels too; the
+        # "triton.autotune_pointwise" option wins (overrides come next).
+        inductor["triton.autotune_pointwise"] = False
     # auto (None): on with the low-precision flag (O3) on a GPU with fp8 tensor cores: issue 6's
     # definition of low precision ("fp8 matmuls where the GPU has them"). Measured on an H200
     # (BENCHMARKS.md, fourth session): Flux +32 % over bf16 (regional, 9.58 vs 7.25 it/s), SDXL

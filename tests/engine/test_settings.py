@@ -200,3 +200,18 @@ def test_aggressive_fusion_is_the_users_choice():
     assert "aggressive_fusion" not in plain.inductor
     assert opted.inductor["aggressive_fusion"] is True
     assert opted.digest(opted_cfg) != plain.digest(plain_cfg)
+
+
+def test_pointwise_kernels_take_the_heuristics_block_size_unless_autotuning():
+    """Benchmarking every pointwise kernel's candidate block sizes at its first call took 8-10 s
+    of a cold UNet compile's first step, for no speed (run186): off unless max-autotune (which
+    tunes them on purpose) or the user's option asks for it, and that is a different cache entry."""
+    for options in ({"mode": "O2"}, {"mode": "O2", "dynamic": False}, {"mode": "max-optimize:cudagraphs"}):
+        assert S.resolve(parse_options(options), cuda=True).inductor["triton.autotune_pointwise"] is False
+    o3 = S.resolve(parse_options({"mode": "O3"}), cuda=True).inductor
+    assert o3["max_autotune_pointwise"] is True and "triton.autotune_pointwise" not in o3
+    plain_cfg = parse_options({"mode": "O2"})
+    asked_cfg = parse_options({"mode": "O2", "options": {"triton.autotune_pointwise": True}})
+    plain, asked = S.resolve(plain_cfg, cuda=True), S.resolve(asked_cfg, cuda=True)
+    assert asked.inductor["triton.autotune_pointwise"] is True
+    assert asked.digest(asked_cfg) != plain.digest(plain_cfg)

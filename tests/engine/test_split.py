@@ -188,6 +188,11 @@ def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_pat
     out, want, rec = _compiled_run(tmp_path, fresh_stats, x)
     assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
     assert rec["precompiled"] == "on" and rec["compiles"] == 1
+    # a cold compile: one miss, whatever the workers' parts count in Inductor's own cache
+    assert rec["cache_misses"] == 1 and rec["cache_hits"] == 0, rec
+    slowest = rec["compile_parts_slowest_child"]
+    assert slowest["part"] in (1, 2) and slowest["compile_s"] > 0, slowest
+    assert "compile_fx_inner" in slowest["phases_s"], slowest
     phases = rec["compile_phases"]
     assert {"trace_and_compile", "cut", "ship", "children_received", "children_compiled", "load",
             "first_run"} <= set(phases), phases
