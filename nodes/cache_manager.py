@@ -105,6 +105,10 @@ def report(store: CacheStore, message: str = "") -> str:
             lines.append(f"    background compile: {m['background']}")
         if m.get("compile_parts"):  # "compile_workers": the graph cut into parts compiled by children
             lines.append(f"    compile workers: {m['compile_parts']}")
+            if slow := m.get("compile_parts_slowest_child"):  # where the wait for the last part went
+                phases = ", ".join(f"{k} {v:.1f}s" for k, v in list(slow.get("phases_s", {}).items())[:3])
+                lines.append(f"    slowest worker: part {slow.get('part')}, {slow.get('compile_s', 0.0):.1f}s"
+                             + (f" ({phases})" if phases else ""))
         for r in m["recompile_reasons"][-3:]:
             lines.append(f"    recompile: {r}")
         for r in m["fallback_reasons"][-3:]:

@@ -41,6 +41,13 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert "compile workers" not in cache_manager.report(CacheStore(tmp_path))
     counters.set_info("UNetModel:aa", compile_parts="6 parts, 5 from child processes")
     assert "    compile workers: 6 parts, 5 from child processes" in cache_manager.report(CacheStore(tmp_path))
+    assert "slowest worker" not in cache_manager.report(CacheStore(tmp_path))
+    counters.set_info("UNetModel:aa", compile_parts_slowest_child={
+        "part": 2, "compile_s": 19.908, "phases_s": {"create_aot_dispatcher_function": 18.85,
+                                                     "compile_fx_inner": 12.62, "GraphLowering.codegen": 7.77,
+                                                     "Scheduler.codegen": 5.6}})
+    assert ("    slowest worker: part 2, 19.9s (create_aot_dispatcher_function 18.9s, compile_fx_inner 12.6s, "
+            "GraphLowering.codegen 7.8s)") in cache_manager.report(CacheStore(tmp_path))
     assert nexfort_engine.stats()["models"]["UNetModel:aa"]["spatial_multiple"] == 8
 
 
