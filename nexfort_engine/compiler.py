@@ -293,10 +293,10 @@ class CompiledModule(torch.nn.Module):
             if part.index not in jobs:
                 blobs[part.index] = split.compile_part(part, self._compile_graph)
         own_s = time.perf_counter() - t0
-        from_children, child_times = 0, []
+        from_children, delivered = 0, []
         for index, job in sorted(jobs.items()):
             part = cut.parts[index]
-            got, why = self._collect_part(job, part.index, sent[index], shape_env, child_times)
+            got, why = self._collect_part(job, part.index, sent[index], shape_env, delivered)
             if got is None:
                 here.append(f"part {index} compiled here: {why}")
                 log.warning("nexfort: %s: part %d of %d compiled here (%s)", label, index, count, why)
@@ -305,10 +305,10 @@ class CompiledModule(torch.nn.Module):
                 from_children += 1
             blobs[index] = got
         for name in ("started", "loaded", "ready", "received", "unpickled", "compiled"):  # the slowest worker's
-            times = [t[name] - self._nx_parts_t0 for t in child_times if name in t]
+            times = [d["times"][name] - self._nx_parts_t0 for d in delivered if name in d["times"]]
             if times:
                 counters.set_phase(label, f"children_{name}", max(times))
-        if slowest := split.slowest_child(child_times):
+        if slowest := split.slowest_child(delivered):
             counters.set_info(label, compile_parts_slowest_child=slowest)
         counters.set_phase(label, "cut", t_cut)
         counters.set_phase(label, "ship", t_ship)
@@ -319,7 +319,7 @@ class CompiledModule(torch.nn.Module):
         return split.SplitCallable(cut.plan, [b for b in blobs if b is not None])
 
     def _collect_part(self, job: background.Job, index: int, fingerprint: str, shape_env: Any,
-                      times: list[dict[str, float]]) -> tuple[bytes | None, str]:
+                      delivered: list[dict[str, Any]]) -> tuple[bytes | None, str]:
         """Wait for a child's part; its compiled bytes once it is the part shipped and its guards hold here."""
         deadline = time.monotonic() + split.CHILD_TIMEOUT_S
         # the report comes before the child's exit, which tears down CUDA and its compile pool
@@ -336,7 +336,8 @@ class CompiledModule(torch.nn.Module):
             got = split.load_part((job.path / background.PART_FILE).read_bytes())
         except (OSError, ValueError, pickle.UnpicklingError) as e:
             return None, f"its result is unreadable ({type(e).__name__}: {e})"
-        times.append(dict(got.get("times") or {}))
+        delivered.append({"index": got["index"], "times": dict(got.get("times") or {}),
+                          "phases": dict(got.get("phases") or {})})
         if got["index"] != index or got["fingerprint"] != fingerprint:
             return None, "the child compiled another part"
         if (why := split.apply_guards(shape_env, got["guards"])) is not None:
@@ -687,16 +688,15 @@ class CompiledModule(torch.nn.Module):
         part = split.Part(index=index, module=module, inputs=list(inputs), single=single)
         shape_env = split.shape_env_of(part.inputs)
         start = len(shape_env.guards) if shape_env is not None else 0
-        times["part"], times["unpickled"] = float(index), time.time()
+        times["unpickled"] = time.time()
         before = _compile_metrics()
         with self._scope():
             compiled = split.compile_part(part, self._compile_graph)
         times["compiled"] = time.time()
-        after = _compile_metrics()  # where the part's compile went, as torch times it
-        times.update({f"{split.METRIC_PREFIX}{k}": v - before.get(k, 0.0) for k, v in after.items()
-                      if v - before.get(k, 0.0) >= 0.05})
+        # where the part's compile went, as torch times it
+        phases = {k: dt for k, v in _compile_metrics().items() if (dt := v - before.get(k, 0.0)) >= 0.05}
         atomic_write_bytes(out, split.dump_part(index, fingerprint, compiled, split.guards_since(shape_env, start),
-                                                times))
+                                                times, phases))
 
     def _aot_unsupported(self, reason: str) -> None:
         counters.set_info(self._nx_label, precompiled=f"off: {reason}")

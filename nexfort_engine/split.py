@@ -412,28 +412,26 @@ def apply_guards(shape_env: Any, guards: Sequence[str]) -> str | None:
     return None
 
 
-#: a worker's step times carry torch's compile-phase seconds under this prefix
-METRIC_PREFIX = "s:"
-
-
-def slowest_child(child_times: Sequence[dict[str, float]], top: int = 8) -> dict[str, Any]:
-    """The worker whose part took longest to compile after it arrived: its part's seconds and the
-    ``top`` longest of torch's compile phases in it (diagnostics: where a cut compile's wait goes)."""
-    timed = [t for t in child_times if "unpickled" in t and "compiled" in t]
+def slowest_child(delivered: Sequence[dict[str, Any]], top: int = 8) -> dict[str, Any]:
+    """Of the parts workers delivered (:func:`load_part`'s dicts), the one that took longest to
+    compile after it arrived: its index, seconds and the ``top`` longest of torch's compile phases
+    in it (diagnostics: where a cut compile's wait goes)."""
+    timed = [d for d in delivered if {"unpickled", "compiled"} <= set(d.get("times") or {})]
     if not timed:
         return {}
-    t = max(timed, key=lambda t: t["compiled"] - t["unpickled"])
-    phases = sorted(((k[len(METRIC_PREFIX):], v) for k, v in t.items() if k.startswith(METRIC_PREFIX)),
-                    key=lambda kv: -kv[1])[:top]
-    return {"part": int(t.get("part", -1)), "compile_s": round(t["compiled"] - t["unpickled"], 3),
+    d = max(timed, key=lambda d: d["times"]["compiled"] - d["times"]["unpickled"])
+    phases = sorted((d.get("phases") or {}).items(), key=lambda kv: -kv[1])[:top]
+    return {"part": d["index"], "compile_s": round(d["times"]["compiled"] - d["times"]["unpickled"], 3),
             "phases_s": {k: round(v, 2) for k, v in phases}}
 
 
 def dump_part(index: int, fingerprint: str, data: bytes, guards: list[str],
-              times: dict[str, float] | None = None) -> bytes:
-    """What a child writes: its part's compiled bytes, fingerprint, guards and step times."""
+              times: dict[str, float] | None = None, phases: dict[str, float] | None = None) -> bytes:
+    """What a child writes: its part's compiled bytes, fingerprint, guards, step times (wall clock)
+    and the seconds torch timed per compile phase."""
     return pickle.dumps({"index": index, "fingerprint": fingerprint, "compiled": data, "guards": guards,
-                         "times": dict(times or {})}, protocol=pickle.HIGHEST_PROTOCOL)
+                         "times": dict(times or {}), "phases": dict(phases or {})},
+                        protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def load_part(blob: bytes) -> dict[str, Any]:
