@@ -186,6 +186,10 @@ class CompiledModule(torch.nn.Module):
         self._nx_part_jobs: dict[int, background.Job] = {}
         #: when the workers of the last split compile started (time.time): their phases count from it
         self._nx_parts_t0 = 0.0
+        #: a precompiled trace's split parts are compiled after Dynamo built its guards: the
+        #: pending split (its callable, what completes it, the trace's shape environment)
+        self._nx_defer_parts = False
+        self._nx_pending: tuple[Any, Callable[[], None], Any] | None = None
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
         self._nx_fp8: ModuleWeights | None = None
         #: channels-last conv weights (weight_layout.py), refreshed before every compiled call
@@ -287,6 +291,26 @@ class CompiledModule(torch.nn.Module):
                 here.append(f"part {index} compiled here: it cannot be shipped ({e})")
                 log.warning("nexfort: %s: part %d of %d compiled here (cannot ship it: %s)", label, index, count, e)
         t_ship = time.perf_counter() - t_ship
+        counters.set_phase(label, "cut", t_cut)
+        counters.set_phase(label, "ship", t_ship)
+        compiled = split.SplitCallable(cut.plan, [])
+
+        def finish() -> None:
+            compiled.parts = self._finish_split(cut, jobs, sent, here, shape_env)
+
+        if self._nx_defer_parts:
+            # the caller's own part and the children's are collected after Dynamo has built the
+            # trace's guards (seconds of one core: SDXL's 8.7 s on an H100 host), see _aot_compile
+            self._nx_pending = (compiled, finish, shape_env)
+        else:
+            finish()
+        return compiled
+
+    def _finish_split(self, cut: split.Split, jobs: dict[int, background.Job], sent: dict[int, str],
+                      here: list[str], shape_env: Any) -> list[bytes]:
+        """Compile the parts no child was given here, then collect the children's (or compile here
+        those a child did not deliver): the parts' compiled bytes in order."""
+        label, count = self._nx_label, len(cut.parts)
         blobs: list[bytes | None] = [None] * count
         t0 = time.perf_counter()
         for part in cut.parts:
@@ -310,13 +334,11 @@ class CompiledModule(torch.nn.Module):
                 counters.set_phase(label, f"children_{name}", max(times))
         if slowest := split.slowest_child(delivered):
             counters.set_info(label, compile_parts_slowest_child=slowest)
-        counters.set_phase(label, "cut", t_cut)
-        counters.set_phase(label, "ship", t_ship)
         counters.set_info(label, compile_parts="; ".join([f"{count} parts, {from_children} from child processes",
                                                           *here]),
                           compile_parts_own_seconds=round(own_s, 3),
                           compile_parts_wait_seconds=round(time.perf_counter() - t0 - own_s, 3))
-        return split.SplitCallable(cut.plan, [b for b in blobs if b is not None])
+        return [b for b in blobs if b is not None]
 
     def _collect_part(self, job: background.Job, index: int, fingerprint: str, shape_env: Any,
                       delivered: list[dict[str, Any]]) -> tuple[bytes | None, str]:
@@ -576,19 +598,25 @@ class CompiledModule(torch.nn.Module):
             t0 = time.perf_counter()
             self._start_parts(example)
             t1 = time.perf_counter()
+            self._nx_defer_parts, self._nx_pending = True, None
             try:
                 compiled, recorder = self._aot_trace(args, kwargs, example)
+                t_traced = time.perf_counter()
+                sizes = self._finish_pending()
             finally:
+                self._nx_defer_parts, self._nx_pending = False, None
                 self._stop_parts()
             t2 = time.perf_counter()
-            data = precompile.to_bytes(compiled, recorder)
+            data = precompile.to_bytes(compiled, recorder, sizes=sizes)
             atomic_write_bytes(path, data)
             t3 = time.perf_counter()
             artifact = precompile.from_bytes(data, target.__globals__, self._inductor_patches())
             t4 = time.perf_counter()
             for name, dt in (("start_workers", t1 - t0), ("trace_and_compile", t2 - t1), ("save", t3 - t2),
-                             ("load", t4 - t3)):
+                             ("load", t4 - t3), ("guards_built", t_traced - t1)):
                 counters.set_phase(label, name, dt)
+            if sizes:
+                counters.set_info(label, precompiled_late_size_guards=[g.code for g in sizes])
         except Exception as e:
             if type(e).__name__ in PASSTHROUGH:
                 raise
@@ -603,6 +631,30 @@ class CompiledModule(torch.nn.Module):
         counters.set_info(self._nx_label, precompiled_graphs=len(self._nx_aot_artifacts),
                           precompiled_guards_dropped=len(recorder.dropped))
         return artifact
+
+    def _finish_pending(self) -> list[precompile.SizeGuard]:
+        """Complete a split whose parts waited for Dynamo's guards (:meth:`_compile_split`); the
+        size guards those compiles took, which torch's saved guards lack (checked by ours)."""
+        pending, self._nx_pending = self._nx_pending, None
+        if pending is None:
+            return []
+        _compiled, finish, shape_env = pending
+        if shape_env is None:
+            finish()
+            return []
+        # Dynamo froze the shape environment once its guards were built: a guard taken now would be
+        # ignored, so the parts compile with it open and their guards are collected
+        start, frozen = len(shape_env.guards), shape_env.frozen
+        shape_env.frozen = False
+        try:
+            finish()
+        finally:
+            shape_env.frozen = frozen
+        late = shape_env.guards[start:]
+        if late:
+            log.info("nexfort: %s: %d size guard(s) taken by the parts' compile: %s", self._nx_label, len(late),
+                     [str(g.expr) for g in late])
+        return precompile.size_guards(shape_env, [g.expr for g in late])
 
     def _aot_trace(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> tuple[Any, Any]:
         """Trace ``(args, kwargs)`` with the engine's backend: ``precompile.trace``'s result."""

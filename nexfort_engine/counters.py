@@ -65,6 +65,9 @@ class _Record:
     precompiled_graphs: int = 0
     precompiled_stale: str = ""
     precompiled_guards_dropped: int = 0
+    #: size guards a split graph's parts took after Dynamo built the trace's guards (checked by
+    #: the engine, as Python expressions over the input sizes)
+    precompiled_late_size_guards: list[str] = field(default_factory=list)
     #: ``"background": true`` (background.py): "running (pid N)", "done in Xs", "failed after Xs",
     #: "crashed: <why>" or "off: <why>"; the child's wall time until it was done
     background: str = ""
@@ -108,6 +111,7 @@ class _Record:
             precompiled_graphs=self.precompiled_graphs,
             precompiled_stale=self.precompiled_stale,
             precompiled_guards_dropped=self.precompiled_guards_dropped,
+            precompiled_late_size_guards=list(self.precompiled_late_size_guards),
             background=self.background,
             background_seconds=round(self.background_seconds, 3),
             compile_parts=self.compile_parts,

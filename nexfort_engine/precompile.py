@@ -337,6 +337,48 @@ def _stale_sources(sources: list[tuple[str, int, int, str]]) -> str | None:
 
 # -- one artifact
 
+def _source_name(source: Any) -> str:
+    name = source.name  # a method before torch 2.12, a property since
+    return str(name() if callable(name) else name)
+
+
+@dataclass(frozen=True)
+class SizeGuard:
+    """A size guard taken after Dynamo built the trace's guards, so not in torch's saved set: the
+    compile of a cut graph's parts runs while Dynamo builds them (``compiler._finish_split``), and
+    Inductor may specialise on a size there. ``code`` is a Python expression over the symbols,
+    ``sources`` each symbol's guard name (``L['x'].size()[2]``)."""
+
+    code: str
+    sources: dict[str, str]
+
+
+def size_guards(shape_env: Any, exprs: Sequence[Any]) -> list[SizeGuard]:
+    """:class:`SizeGuard` s for sympy guard expressions of ``shape_env``; ``ValueError`` for one
+    that cannot be checked from the call's inputs or does not hold at the traced sizes."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    values = getattr(shape_env, "backed_var_to_val", None)
+    values = values if values is not None else shape_env.var_to_val
+    out = []
+    for expr in exprs:
+        sources: dict[str, str] = {}
+        for sym in sorted(expr.free_symbols, key=str):
+            found = shape_env.var_to_sources.get(sym)
+            if not found:
+                raise ValueError(f"size guard {expr}: {sym} is no input size")
+            sources[str(sym)] = _source_name(found[0])
+        guard = SizeGuard(PythonPrinter().doprint(expr), sources)
+        try:
+            ok = eval(guard.code, {"__builtins__": builtins}, {str(s): int(values[s]) for s in expr.free_symbols})  # noqa: S307
+        except Exception as e:  # noqa: BLE001 - a printed form Python cannot evaluate
+            raise ValueError(f"size guard {expr} ({guard.code}): {type(e).__name__}: {e}") from e
+        if not ok:
+            raise ValueError(f"size guard {expr} ({guard.code}) does not hold at the traced sizes")
+        out.append(guard)
+    return out
+
+
 @dataclass
 class Artifact:
     """One traced graph with its guards: call it through :meth:`check` first.
@@ -354,13 +396,18 @@ class Artifact:
     namespace: dict[str, Any]  # what global guard names (G[...]) resolve in
     path: Path | None = None
     self_name: str | None = None
+    size_guards: list[SizeGuard] = field(default_factory=list)
     _each: list[tuple[DroppedGuard, types.CodeType]] = field(default_factory=list)
     _global: list[tuple[DroppedGuard, types.CodeType]] = field(default_factory=list)
     _ids: types.CodeType | None = None
     #: the global names' ids when last resolved in full, and why they failed then ("" = passed)
     _seen: tuple[tuple[int, ...] | None, str] | None = None
+    _sizes: list[tuple[SizeGuard, types.CodeType, list[tuple[str, types.CodeType]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._sizes = [(g, compile(g.code, "<nexfort size guard>", "eval"),
+                        [(sym, compile(src, "<nexfort size guard>", "eval")) for sym, src in g.sources.items()])
+                       for g in self.size_guards]
         names = []
         for d in self.dropped:
             try:
@@ -411,6 +458,14 @@ class Artifact:
         manager = self.compiled._artifacts.guard_manager
         if not manager.check(f_locals):
             return str(manager.check_verbose(f_locals).verbose_code_parts)[:500]
+        for g, code, sources in self._sizes:
+            try:
+                ok = eval(code, {"__builtins__": builtins},  # noqa: S307 - printed by torch's PythonPrinter
+                          {sym: eval(src, {"__builtins__": builtins}, scope) for sym, src in sources})  # noqa: S307
+            except Exception as e:  # noqa: BLE001
+                return f"size guard {g.code}: {type(e).__name__}"
+            if not ok:
+                return f"size guard {g.code} ({', '.join(f'{s}={v}' for s, v in g.sources.items())}) fails"
         return None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -436,14 +491,17 @@ def trace(
     return compiled, recorder
 
 
-def to_bytes(compiled: Any, recorder: GuardRecorder, external: dict[str, Any] | None = None) -> bytes:
-    """The file :func:`load` reads: torch's serialised function plus our dropped guards."""
+def to_bytes(compiled: Any, recorder: GuardRecorder, external: dict[str, Any] | None = None,
+             sizes: Sequence[SizeGuard] = ()) -> bytes:
+    """The file :func:`load` reads: torch's serialised function plus our dropped guards and the
+    size guards taken after torch built its own."""
     with _guard_state_pickling():
         data = type(compiled).serialize(compiled, external).serialized_data
     envelope = {
         "format": FORMAT,
         "torch": torch.__version__,
         "dropped": [vars(d) for d in recorder.dropped],
+        "size_guards": [{"code": g.code, "sources": dict(g.sources)} for g in sizes],
         "self_name": recorder.self_name,
         "sources": _source_hashes(compiled),
         "compiled": data,
@@ -479,7 +537,9 @@ def from_bytes(
         raise StaleArtifact(f"torch could not load it ({type(e).__name__}: {str(e)[:200]})") from e
     namespace = _Globals(root_globals, compiled.fn.__globals__)
     dropped = [DroppedGuard(**d) for d in envelope["dropped"]]
-    return Artifact(compiled, dropped, envelope["sources"], namespace, self_name=envelope.get("self_name"))
+    sizes = [SizeGuard(g["code"], dict(g["sources"])) for g in envelope.get("size_guards") or ()]
+    return Artifact(compiled, dropped, envelope["sources"], namespace, self_name=envelope.get("self_name"),
+                    size_guards=sizes)
 
 
 def files(directory: Path) -> list[Path]:

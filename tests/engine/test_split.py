@@ -121,6 +121,28 @@ def test_a_childs_guards_are_added_here():
     assert "no shape environment" in (split.apply_guards(None, ["Eq(s0, 1)"]) or "")
 
 
+def test_size_guards_taken_after_dynamos_are_checked_from_the_inputs():
+    """A guard a part's compile takes once Dynamo has built its own (the parts compile then) is
+    printed as Python over the input sizes it reads; one without an input source, or one that does
+    not hold at the traced sizes, is refused."""
+    import sympy
+    from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._sympy.functions import Mod
+
+    from nexfort_engine import precompile
+
+    env = ShapeEnv()
+    h = env.create_symbol(16, TensorPropertySource(LocalSource("x"), TensorProperty.SIZE, 2))
+    (g,) = precompile.size_guards(env, [sympy.Eq(Mod(h, 4), 0)])
+    assert g.sources == {str(h): "L['x'].size()[2]"}, g
+    assert eval(g.code, {}, {str(h): 20}) and not eval(g.code, {}, {str(h): 18})  # noqa: S307
+    with pytest.raises(ValueError, match="does not hold"):
+        precompile.size_guards(env, [sympy.Eq(h, 8)])
+    with pytest.raises(ValueError, match="no input size"):
+        precompile.size_guards(env, [sympy.Eq(sympy.Symbol("u0", integer=True), 1)])
+
+
 def test_option_is_validated_and_auto_follows_the_device():
     assert parse_options({"compile_workers": 4}).compile_workers == 4
     assert parse_options({}).compile_workers is None
@@ -183,9 +205,28 @@ def _compiled_run(cache_dir, stats, x: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 @pytest.mark.inductor
-def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_path, fresh_stats, clean_dynamo):
+def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_path, fresh_stats, clean_dynamo,
+                                                           monkeypatch):
+    """Also: the parts compile after Dynamo has built the trace's guards (it froze its shape
+    environment then), and a size guard the caller's own part takes (here one added on purpose:
+    the height a multiple of 16) is saved with the graph and checked on later calls."""
+    compile_part, seen = split.compile_part, []
+
+    def compile_part_taking_a_guard(part, compile_fn):
+        env = split.shape_env_of(part.inputs)
+        seen.append(bool(env.frozen))  # Dynamo freezes it once its guards are built
+        if part.index == 0:
+            height = next(d for t in part.inputs if isinstance(t, torch.Tensor) for d in t.shape[2:3]
+                          if isinstance(d, torch.SymInt))
+            assert height % 2 == 0  # a guard: Eq(Mod(s, 2), 0) (s: the height / 8, folded)
+        return compile_part(part, compile_fn)
+
+    monkeypatch.setattr(split, "compile_part", compile_part_taking_a_guard)
     x = torch.randn(2, 4, 16, 16)
     out, want, rec = _compiled_run(tmp_path, fresh_stats, x)
+    assert seen == [False], seen  # the caller's own part, compiled with the environment reopened
+    (late,) = rec["precompiled_late_size_guards"]
+    assert "% 2" in late, late
     assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
     assert rec["precompiled"] == "on" and rec["compiles"] == 1
     # a cold compile: one miss, whatever the workers' parts count in Inductor's own cache
@@ -208,6 +249,19 @@ def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_pat
     assert rec2["compiles"] == 0 and rec2["cache_hits"] == 1 and rec2["fallbacks"] == 0, rec2
     assert "warm_load_part2" in rec2["compile_phases"], rec2["compile_phases"]
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    # the late guard came back with the saved graph: a height of 32 passes it, 24 does not
+    from nexfort_engine import shapes
+
+    (artifact,) = cm2._nx_aot_artifacts
+    assert [g.sources for g in artifact.size_guards] and "% 2" in artifact.size_guards[0].code
+    for height, passes in ((32, True), (24, False)):
+        with torch.inference_mode():
+            x2 = torch.randn(2, 4, height, 16).contiguous(memory_format=torch.channels_last)
+            y = shapes.fold_spatial((x2,), cm2._nx_fold, mark=False)
+            why = artifact.check((net2, *y), {})
+        assert (why is None) == passes, (height, why)
+        if not passes:
+            assert "size guard" in why, why
 
 
 @pytest.mark.inductor
