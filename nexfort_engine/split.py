@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 #: ``NEXFORT_MIN_PART_NODES`` overrides it (tests cut tiny graphs)
 MIN_NODES_PER_PART = 64
 ENV_MIN_PART_NODES = "NEXFORT_MIN_PART_NODES"
+#: the first part's size against each other part's (the caller compiles it, after Dynamo's guards)
+OWN_PART_SHARE = 1.0
+ENV_OWN_PART_SHARE = "NEXFORT_OWN_PART_SHARE"
 #: op codes that are bookkeeping, not compute: not counted when balancing the parts
 _FREE_OPS = ("placeholder", "output", "get_attr")
 
@@ -197,16 +200,24 @@ def _weight(node: fx.Node) -> int:
 
 def assign(gm: fx.GraphModule, n: int) -> dict[fx.Node, int] | None:
     """Node -> part for ``n`` consecutive parts of about equal compute-node count (graph order is
-    topological, so every value flows forward), or ``None`` if the graph is too small to cut."""
+    topological, so every value flows forward), or ``None`` if the graph is too small to cut.
+    The first part (the caller's) is ``NEXFORT_OWN_PART_SHARE`` (default :data:`OWN_PART_SHARE`)
+    times the size of each other."""
     nodes = [node for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
     total = sum(_weight(node) for node in nodes)
     minimum = int(os.environ.get(ENV_MIN_PART_NODES) or MIN_NODES_PER_PART)
     if n < 2 or total < n * minimum:
         return None
+    share = float(os.environ.get(ENV_OWN_PART_SHARE) or OWN_PART_SHARE)
+    if not 0.05 <= share <= 4.0:
+        raise ValueError(f"{ENV_OWN_PART_SHARE}={share}: a share from 0.05 to 4")
+    # part k ends where the weight seen reaches (share + k) / (share + n - 1) of the total
+    ends = [total * (share + k) / (share + n - 1) for k in range(n)]
     out: dict[fx.Node, int] = {}
-    seen = 0
+    seen, part = 0, 0
     for node in nodes:
-        part = min(n - 1, seen * n // total)
+        while part < n - 1 and seen >= ends[part]:
+            part += 1
         out[node] = part
         seen += _weight(node)
     # a get_attr goes with its first user (split_module copies the attribute into that part)

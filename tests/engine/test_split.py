@@ -52,6 +52,24 @@ def test_parts_are_balanced_consecutive_and_run_like_the_graph(small_parts, clea
     assert len({p.fingerprint() for p in cut.parts}) == 3
 
 
+def test_the_callers_part_can_be_smaller(small_parts, clean_dynamo, monkeypatch):
+    gm, _inputs = _dynamo_graph(_net(), torch.randn(2, 4, 8, 8))
+
+    def sizes() -> list[int]:
+        mapping = split.assign(gm, 3)
+        assert mapping is not None
+        return [sum(split._weight(node) for node, p in mapping.items() if p == k) for k in range(3)]
+
+    even = sizes()
+    monkeypatch.setenv(split.ENV_OWN_PART_SHARE, "0.5")
+    half = sizes()
+    assert sum(half) == sum(even)
+    assert abs(half[0] - sum(half) * 0.5 / 2.5) <= 1 and abs(half[1] - half[2]) <= 1, half
+    monkeypatch.setenv(split.ENV_OWN_PART_SHARE, "0")
+    with pytest.raises(ValueError, match="0.05 to 4"):
+        split.assign(gm, 3)
+
+
 def test_too_small_a_graph_is_not_cut(clean_dynamo):
     gm, _inputs = _dynamo_graph(_net(), torch.randn(2, 4, 8, 8))
     assert split.split(gm, 3) is None  # 64 compute nodes per part at least
