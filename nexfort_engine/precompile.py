@@ -35,12 +35,14 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import fractions
 import functools
 import hashlib
 import importlib
 import inspect
 import io
 import logging
+import math
 import pickle
 import re
 import sys
@@ -353,11 +355,41 @@ class SizeGuard:
     sources: dict[str, str]
 
 
+def _sympy_guard(text: str, **values: int) -> bool:
+    """A size guard Python cannot evaluate as printed, evaluated by sympy (slower: rare)."""
+    import sympy
+    from torch.utils._sympy import functions
+
+    expr = sympy.sympify(text, locals=dict(vars(functions)))  # FloorDiv, Mod, ... by their names
+    return bool(expr.xreplace({sym: sympy.Integer(values[str(sym)]) for sym in expr.free_symbols}))
+
+
+#: what a printed size guard may call: ``math.floor`` and friends, exact fractions, sympy
+_SIZE_GUARD_GLOBALS: dict[str, Any] = {"__builtins__": builtins, "math": math, "Fraction": fractions.Fraction,
+                                       "_sympy_guard": _sympy_guard}
+
+
+def _size_printer() -> Any:
+    """torch's ``PythonPrinter`` with rationals as exact fractions (Inductor's int32 index guards
+    hold terms such as ``floor(160*s0*s1/3 + 5/6)``, which floats would round)."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    class SizePrinter(PythonPrinter):  # type: ignore[misc]
+        def _print_Rational(self, expr: Any) -> str:
+            return f"Fraction({int(expr.p)}, {int(expr.q)})"
+
+        def _print_Half(self, expr: Any) -> str:
+            return "Fraction(1, 2)"
+
+    return SizePrinter()
+
+
 def size_guards(shape_env: Any, exprs: Sequence[Any]) -> list[SizeGuard]:
     """:class:`SizeGuard` s for sympy guard expressions of ``shape_env``; ``ValueError`` for one
     that cannot be checked from the call's inputs or does not hold at the traced sizes."""
-    from torch.utils._sympy.printers import PythonPrinter
+    import sympy
 
+    printer = _size_printer()
     values = getattr(shape_env, "backed_var_to_val", None)
     values = values if values is not None else shape_env.var_to_val
     out = []
@@ -368,11 +400,17 @@ def size_guards(shape_env: Any, exprs: Sequence[Any]) -> list[SizeGuard]:
             if not found:
                 raise ValueError(f"size guard {expr}: {sym} is no input size")
             sources[str(sym)] = _source_name(found[0])
-        guard = SizeGuard(PythonPrinter().doprint(expr), sources)
+        at = {str(s): int(values[s]) for s in expr.free_symbols}
+        guard = SizeGuard(printer.doprint(expr), sources)
         try:
-            ok = eval(guard.code, {"__builtins__": builtins}, {str(s): int(values[s]) for s in expr.free_symbols})  # noqa: S307
-        except Exception as e:  # noqa: BLE001 - a printed form Python cannot evaluate
-            raise ValueError(f"size guard {expr} ({guard.code}): {type(e).__name__}: {e}") from e
+            ok = eval(guard.code, _SIZE_GUARD_GLOBALS, at)  # noqa: S307
+        except Exception:  # noqa: BLE001 - a printed form Python cannot evaluate: sympy evaluates it
+            args = "".join(f", {name}={name}" for name in sources)
+            guard = SizeGuard(f"_sympy_guard({sympy.srepr(expr)!r}{args})", sources)
+            try:
+                ok = eval(guard.code, _SIZE_GUARD_GLOBALS, at)  # noqa: S307
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"size guard {expr}: {type(e).__name__}: {e}") from e
         if not ok:
             raise ValueError(f"size guard {expr} ({guard.code}) does not hold at the traced sizes")
         out.append(guard)
@@ -460,7 +498,7 @@ class Artifact:
             return str(manager.check_verbose(f_locals).verbose_code_parts)[:500]
         for g, code, sources in self._sizes:
             try:
-                ok = eval(code, {"__builtins__": builtins},  # noqa: S307 - printed by torch's PythonPrinter
+                ok = eval(code, _SIZE_GUARD_GLOBALS,  # noqa: S307 - printed by torch's PythonPrinter
                           {sym: eval(src, {"__builtins__": builtins}, scope) for sym, src in sources})  # noqa: S307
             except Exception as e:  # noqa: BLE001
                 return f"size guard {g.code}: {type(e).__name__}"

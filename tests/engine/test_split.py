@@ -139,7 +139,7 @@ def test_a_childs_guards_are_added_here():
     assert "no shape environment" in (split.apply_guards(None, ["Eq(s0, 1)"]) or "")
 
 
-def test_size_guards_taken_after_dynamos_are_checked_from_the_inputs():
+def test_size_guards_taken_after_dynamos_are_checked_from_the_inputs(monkeypatch):
     """A guard a part's compile takes once Dynamo has built its own (the parts compile then) is
     printed as Python over the input sizes it reads; one without an input source, or one that does
     not hold at the traced sizes, is refused."""
@@ -157,6 +157,22 @@ def test_size_guards_taken_after_dynamos_are_checked_from_the_inputs():
     assert eval(g.code, {}, {str(h): 20}) and not eval(g.code, {}, {str(h): 18})  # noqa: S307
     with pytest.raises(ValueError, match="does not hold"):
         precompile.size_guards(env, [sympy.Eq(h, 8)])
+    # Inductor's int32 index bound as run191 met it on SD2.1: a floor of a rational, exact here
+    b = env.create_symbol(2, TensorPropertySource(LocalSource("x"), TensorProperty.SIZE, 0))
+    bound = sympy.Le(192 * b * sympy.floor(sympy.Rational(160, 3) * h * h + sympy.Rational(5, 6)), 2**31 - 1)
+    (g,) = precompile.size_guards(env, [bound])
+    assert "Fraction(160, 3)" in g.code and "math.floor" in g.code, g.code
+
+    def holds(guard, **sizes) -> bool:
+        return eval(guard.code, precompile._SIZE_GUARD_GLOBALS, {str(k): v for k, v in sizes.items()})  # noqa: S307
+
+    for hb, bb in ((16, 2), (96, 2), (200, 2), (200, 1), (128, 16)):
+        assert holds(g, **{str(h): hb, str(b): bb}) == bool(bound.subs({h: hb, b: bb})), (hb, bb)
+    # a printed form Python cannot evaluate is evaluated by sympy instead
+    monkeypatch.setattr(precompile, "_size_printer", lambda: types.SimpleNamespace(doprint=lambda e: "no_such(1)"))
+    (g,) = precompile.size_guards(env, [bound])
+    assert g.code.startswith("_sympy_guard(") and holds(g, **{str(h): 96, str(b): 2})
+    assert not holds(g, **{str(h): 200, str(b): 16})
     with pytest.raises(ValueError, match="no input size"):
         precompile.size_guards(env, [sympy.Eq(sympy.Symbol("u0", integer=True), 1)])
 
