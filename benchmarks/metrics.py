@@ -138,7 +138,9 @@ def nexfort_counts() -> dict[str, Any]:
         "compile_parts": {k: {"parts": m.get("compile_parts", ""),
                               "own_s": m.get("compile_parts_own_seconds", 0.0),
                               "wait_s": m.get("compile_parts_wait_seconds", 0.0),
-                              "slowest_child": m.get("compile_parts_slowest_child", {})}
+                              "slowest_child": m.get("compile_parts_slowest_child", {}),
+                              # size guards the parts took after Dynamo built its own (the engine checks them)
+                              "late_size_guards": m.get("precompiled_late_size_guards", [])}
                           for k, m in s.get("models", {}).items() if m.get("compile_parts")},
         # seconds per step of each model's last cold compile of a precompiled graph
         "compile_phases": {k: m["compile_phases"] for k, m in s.get("models", {}).items() if m.get("compile_phases")},

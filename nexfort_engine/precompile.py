@@ -440,12 +440,19 @@ class Artifact:
     _ids: types.CodeType | None = None
     #: the global names' ids when last resolved in full, and why they failed then ("" = passed)
     _seen: tuple[tuple[int, ...] | None, str] | None = None
-    _sizes: list[tuple[SizeGuard, types.CodeType, list[tuple[str, types.CodeType]]]] = field(default_factory=list)
+    #: the size guards as two expressions: every symbol's value from the call, then all guards
+    _size_syms: tuple[str, ...] = ()
+    _size_values: types.CodeType | None = None
+    _size_all: types.CodeType | None = None
 
     def __post_init__(self) -> None:
-        self._sizes = [(g, compile(g.code, "<nexfort size guard>", "eval"),
-                        [(sym, compile(src, "<nexfort size guard>", "eval")) for sym, src in g.sources.items()])
-                       for g in self.size_guards]
+        if self.size_guards:
+            sources = {sym: src for g in self.size_guards for sym, src in g.sources.items()}
+            self._size_syms = tuple(sources)
+            self._size_values = compile("(" + "".join(f"{src}," for src in sources.values()) + ")",
+                                        "<nexfort size guards>", "eval")
+            self._size_all = compile(" and ".join(f"({g.code})" for g in self.size_guards),
+                                     "<nexfort size guards>", "eval")
         names = []
         for d in self.dropped:
             try:
@@ -496,15 +503,22 @@ class Artifact:
         manager = self.compiled._artifacts.guard_manager
         if not manager.check(f_locals):
             return str(manager.check_verbose(f_locals).verbose_code_parts)[:500]
-        for g, code, sources in self._sizes:
-            try:
-                ok = eval(code, _SIZE_GUARD_GLOBALS,  # noqa: S307 - printed by torch's PythonPrinter
-                          {sym: eval(src, {"__builtins__": builtins}, scope) for sym, src in sources})  # noqa: S307
-            except Exception as e:  # noqa: BLE001
-                return f"size guard {g.code}: {type(e).__name__}"
-            if not ok:
-                return f"size guard {g.code} ({', '.join(f'{s}={v}' for s, v in g.sources.items())}) fails"
+        if self._size_all is not None:
+            return self._check_sizes(scope)
         return None
+
+    def _check_sizes(self, scope: dict[str, Any]) -> str | None:
+        try:
+            found = eval(self._size_values, {"__builtins__": builtins}, scope)  # noqa: S307
+            values = dict(zip(self._size_syms, found, strict=True))
+            if eval(self._size_all, _SIZE_GUARD_GLOBALS, values):  # noqa: S307 - printed by torch's PythonPrinter
+                return None
+        except Exception as e:  # noqa: BLE001 - an input without the size a guard reads
+            return f"size guards: {type(e).__name__}: {e}"
+        for g in self.size_guards:
+            if not eval(g.code, _SIZE_GUARD_GLOBALS, values):  # noqa: S307
+                return f"size guard {g.code} fails ({', '.join(f'{s}={values[s]}' for s in g.sources)})"
+        return "size guards fail"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled.fn(*args, **kwargs)

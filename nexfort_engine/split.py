@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 MIN_NODES_PER_PART = 64
 ENV_MIN_PART_NODES = "NEXFORT_MIN_PART_NODES"
 #: the first part's size against each other part's (the caller compiles it, after Dynamo's guards)
-OWN_PART_SHARE = 1.0
+OWN_PART_SHARE = 0.7
 ENV_OWN_PART_SHARE = "NEXFORT_OWN_PART_SHARE"
 #: op codes that are bookkeeping, not compute: not counted when balancing the parts
 _FREE_OPS = ("placeholder", "output", "get_attr")
