@@ -109,6 +109,9 @@ def report(store: CacheStore, message: str = "") -> str:
                 phases = ", ".join(f"{k} {v:.1f}s" for k, v in list(slow.get("phases_s", {}).items())[:3])
                 lines.append(f"    slowest worker: part {slow.get('part')}, {slow.get('compile_s', 0.0):.1f}s"
                              + (f" ({phases})" if phases else ""))
+            if late := m.get("precompiled_late_size_guards"):  # taken after Dynamo's guards: ours check them
+                lines.append(f"    size guards from the parts' compile: {len(late)}, checked on every call"
+                             f" (e.g. {late[0]})")
         for r in m["recompile_reasons"][-3:]:
             lines.append(f"    recompile: {r}")
         for r in m["fallback_reasons"][-3:]:

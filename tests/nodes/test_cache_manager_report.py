@@ -48,6 +48,11 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
                                                      "Scheduler.codegen": 5.6}})
     assert ("    slowest worker: part 2, 19.9s (create_aot_dispatcher_function 18.9s, compile_fx_inner 12.6s, "
             "GraphLowering.codegen 7.8s)") in cache_manager.report(CacheStore(tmp_path))
+    assert "size guards from the parts" not in cache_manager.report(CacheStore(tmp_path))
+    counters.set_info("UNetModel:aa", precompiled_late_size_guards=["81920*s33*s53*s92 <= 2147483647",
+                                                                    "16*s33*s53*s92 <= 2147483647"])
+    assert ("    size guards from the parts' compile: 2, checked on every call (e.g. 81920*s33*s53*s92 <= "
+            "2147483647)") in cache_manager.report(CacheStore(tmp_path))
     assert nexfort_engine.stats()["models"]["UNetModel:aa"]["spatial_multiple"] == 8
 
 
