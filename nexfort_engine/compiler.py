@@ -298,9 +298,10 @@ class CompiledModule(torch.nn.Module):
         def finish() -> None:
             compiled.parts = self._finish_split(cut, jobs, sent, here, shape_env)
 
-        if self._nx_defer_parts:
+        if self._nx_defer_parts and self._nx_pending is None:
             # the caller's own part and the children's are collected after Dynamo has built the
-            # trace's guards (seconds of one core: SDXL's 8.7 s on an H100 host), see _aot_compile
+            # trace's guards (seconds of one core: SDXL's 8.9 s on an H100 host), see _aot_compile;
+            # a second graph of one trace (none in a full-graph trace) would be compiled at once
             self._nx_pending = (compiled, finish, shape_env)
         else:
             finish()
