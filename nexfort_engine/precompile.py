@@ -23,6 +23,10 @@ classes) in full once, then again whenever one of them resolves to another objec
 (torch's ``SourceInfo``), so an edited or upgraded host file makes the artifact stale. A stale or
 unreadable artifact is never an error: the caller traces again.
 
+Size guards taken after torch built its set (a cut graph's parts compile then, so Inductor's
+32-bit index bounds come late) are saved beside it as Python expressions over the input sizes
+(:class:`SizeGuard`) and checked on every call after torch's.
+
 Dynamic sizes are marked on *copies* of the inputs for the trace only: a loaded artifact's
 tensor guards expect unmarked inputs (torch does not save the marks).
 
