@@ -187,9 +187,9 @@ class CompiledModule(torch.nn.Module):
         #: when the workers of the last split compile started (time.time): their phases count from it
         self._nx_parts_t0 = 0.0
         #: a precompiled trace's split parts are compiled after Dynamo built its guards: the
-        #: pending split (its callable, what completes it, the trace's shape environment)
+        #: pending split (what completes it, the trace's shape environment)
         self._nx_defer_parts = False
-        self._nx_pending: tuple[Any, Callable[[], None], Any] | None = None
+        self._nx_pending: tuple[Callable[[], None], Any] | None = None
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
         self._nx_fp8: ModuleWeights | None = None
         #: channels-last conv weights (weight_layout.py), refreshed before every compiled call
@@ -302,7 +302,7 @@ class CompiledModule(torch.nn.Module):
             # the caller's own part and the children's are collected after Dynamo has built the
             # trace's guards (seconds of one core: SDXL's 8.9 s on an H100 host), see _aot_compile;
             # a second graph of one trace (none in a full-graph trace) would be compiled at once
-            self._nx_pending = (compiled, finish, shape_env)
+            self._nx_pending = (finish, shape_env)
         else:
             finish()
         return compiled
@@ -639,7 +639,7 @@ class CompiledModule(torch.nn.Module):
         pending, self._nx_pending = self._nx_pending, None
         if pending is None:
             return []
-        _compiled, finish, shape_env = pending
+        finish, shape_env = pending
         if shape_env is None:
             finish()
             return []

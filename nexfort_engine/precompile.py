@@ -393,9 +393,10 @@ def size_guards(shape_env: Any, exprs: Sequence[Any]) -> list[SizeGuard]:
     that cannot be checked from the call's inputs or does not hold at the traced sizes."""
     import sympy
 
+    from .shapes import traced_sizes
+
     printer = _size_printer()
-    values = getattr(shape_env, "backed_var_to_val", None)
-    values = values if values is not None else shape_env.var_to_val
+    values = traced_sizes(shape_env)
     out = []
     for expr in exprs:
         sources: dict[str, str] = {}

@@ -275,6 +275,13 @@ def unfolding_method(fn: Callable[..., Any], ndim: int) -> Callable[..., Any]:
     return _renamed(call, name, f"unfolding_method.<locals>.{name}")
 
 
+def traced_sizes(shape_env: Any) -> dict[Any, Any]:
+    """Each symbol of a shape environment -> the size it had in the trace (``backed_var_to_val``
+    since torch 2.12, ``var_to_val`` before)."""
+    values = getattr(shape_env, "backed_var_to_val", None)
+    return values if values is not None else shape_env.var_to_val
+
+
 def detached(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every tensor (also inside dicts/lists/tuples, as
     :func:`mark_dynamic_dims` visits them) replaced by a new tensor object on the same memory:

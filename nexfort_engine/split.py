@@ -410,8 +410,9 @@ def apply_guards(shape_env: Any, guards: Sequence[str]) -> str | None:
         return "no shape environment here"
     import sympy
 
-    values = getattr(shape_env, "backed_var_to_val", None)
-    symbols = {str(s): s for s in (values if values is not None else shape_env.var_to_val)}
+    from .shapes import traced_sizes
+
+    symbols = {str(s): s for s in traced_sizes(shape_env)}
     for text in guards:
         try:
             expr = sympy.sympify(text, locals=symbols)
