@@ -87,6 +87,12 @@ def _compile_metrics() -> dict[str, float]:
     return {k: float(sum(v)) for k, v in compilation_time_metrics.items()}
 
 
+def _phases_since(before: dict[str, float], top: int = 8) -> dict[str, float]:
+    """torch's ``top`` longest compile phases since ``before`` (:func:`_compile_metrics`)."""
+    phases = {k: dt for k, v in _compile_metrics().items() if (dt := v - before.get(k, 0.0)) >= 0.05}
+    return {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def _fx_counters() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
@@ -313,10 +319,14 @@ class CompiledModule(torch.nn.Module):
         those a child did not deliver): the parts' compiled bytes in order."""
         label, count = self._nx_label, len(cut.parts)
         blobs: list[bytes | None] = [None] * count
+        each = {part.index: split.part_profile(part) for part in cut.parts}
         t0 = time.perf_counter()
         for part in cut.parts:
             if part.index not in jobs:
+                t_part, before = time.perf_counter(), _compile_metrics()
                 blobs[part.index] = split.compile_part(part, self._compile_graph)
+                each[part.index].update(where="here", compile_s=round(time.perf_counter() - t_part, 3),
+                                        phases_s=_phases_since(before))
         own_s = time.perf_counter() - t0
         from_children, delivered = 0, []
         for index, job in sorted(jobs.items()):
@@ -335,6 +345,12 @@ class CompiledModule(torch.nn.Module):
                 counters.set_phase(label, f"children_{name}", max(times))
         if slowest := split.slowest_child(delivered):
             counters.set_info(label, compile_parts_slowest_child=slowest)
+        for d in delivered:
+            if d.get("index") in each and {"unpickled", "compiled"} <= set(d.get("times") or {}):
+                each[d["index"]].update(where="child", compile_s=round(d["times"]["compiled"] - d["times"]["unpickled"], 3),
+                                        phases_s={k: round(v, 2) for k, v in sorted((d.get("phases") or {}).items(),
+                                                                                   key=lambda kv: -kv[1])[:8]})
+        counters.set_info(label, compile_parts_each=[each[i] for i in sorted(each)])
         counters.set_info(label, compile_parts="; ".join([f"{count} parts, {from_children} from child processes",
                                                           *here]),
                           compile_parts_own_seconds=round(own_s, 3),

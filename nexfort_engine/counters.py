@@ -80,6 +80,9 @@ class _Record:
     #: the worker whose part compiled longest: {"part", "compile_s", "phases_s": torch's longest
     #: compile phases in it} (split.slowest_child)
     compile_parts_slowest_child: dict[str, Any] = field(default_factory=dict)
+    #: every part of the last cut: {"part", "nodes", "inputs", "kinds": its most frequent node
+    #: targets, "where": "here" or "child", "compile_s", "phases_s"} (split.part_profile)
+    compile_parts_each: list[dict[str, Any]] = field(default_factory=list)
     #: seconds per step of the last cold compile of a precompiled graph (start_workers,
     #: trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest worker per
     #: step, from the trace's start: children_started, children_loaded, children_ready,
@@ -118,6 +121,7 @@ class _Record:
             compile_parts_own_seconds=round(self.compile_parts_own_seconds, 3),
             compile_parts_wait_seconds=round(self.compile_parts_wait_seconds, 3),
             compile_parts_slowest_child=dict(self.compile_parts_slowest_child),
+            compile_parts_each=[dict(d) for d in self.compile_parts_each],
             compile_phases=dict(self.compile_phases),
             updated=self.updated,
         )

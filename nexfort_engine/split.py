@@ -424,6 +424,41 @@ def apply_guards(shape_env: Any, guards: Sequence[str]) -> str | None:
     return None
 
 
+def _kind(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "call_module":
+        return f"module:{node.target}"
+    return str(getattr(node.target, "__name__", node.target))
+
+
+def part_profile(part: Part, top: int = 40) -> dict[str, Any]:
+    """What a part holds (diagnostics for the cut's balance): its compute-node count as
+    :func:`assign` weighs it, and its ``top`` most frequent node targets with their counts."""
+    kinds: dict[str, int] = {}
+    signatures: set[str] = set()
+    weight = 0
+    for node in part.module.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        weight += _weight(node)
+        if _weight(node):
+            kinds[_kind(node)] = kinds.get(_kind(node), 0) + 1
+            signatures.add(_signature(node))
+    ranked = dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
+    return {"part": part.index, "nodes": weight, "distinct": len(signatures), "inputs": len(part.inputs),
+            "kinds": ranked}
+
+
+def _signature(node: fx.Node) -> str:
+    """A node's target with its output's layout: nodes alike in it compile to alike kernels."""
+    try:
+        value = _example(node)
+    except KeyError:
+        value = None
+    return f"{_kind(node)}:{_describe(value) if isinstance(value, torch.Tensor) else type(value).__name__}"
+
+
 def slowest_child(delivered: Sequence[dict[str, Any]], top: int = 8) -> dict[str, Any]:
     """Of the parts workers delivered (:func:`load_part`'s dicts), the one that took longest to
     compile after it arrived: its index, seconds and the ``top`` longest of torch's compile phases

@@ -270,6 +270,11 @@ def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_pat
     slowest = rec["compile_parts_slowest_child"]
     assert slowest["part"] in (1, 2) and slowest["compile_s"] > 0, slowest
     assert "compile_fx_inner" in slowest["phases_s"], slowest
+    # every part's size, node kinds and compile time (the cut's balance, for the benchmark JSON)
+    each = rec["compile_parts_each"]
+    assert [d["part"] for d in each] == [0, 1, 2] and [d["where"] for d in each] == ["here", "child", "child"], each
+    assert all(d["nodes"] > 0 and d["compile_s"] > 0 and sum(d["kinds"].values()) == d["nodes"] for d in each), each
+    assert "compile_fx_inner" in each[0]["phases_s"] and each[slowest["part"]]["compile_s"] == slowest["compile_s"]
     phases = rec["compile_phases"]
     assert {"trace_and_compile", "cut", "ship", "children_received", "children_compiled", "load",
             "first_run"} <= set(phases), phases
