@@ -10,6 +10,7 @@ At exit it appends one JSON line to ``$NX_PROBE_OUT`` (stderr if unset) with:
   frames and every other thread's innermost frame unless that frame is a known wait
   (``samples.timeline``; a thread sleeping in C under another frame still shows, e.g. Inductor's
   subprocess-pool timer at ``timer.py:check``), to line up with the bench's per-step times.
+- ``NX_PROBE_CUT=<dir>``: every graph cut (nexfort_engine.split.assign) as a JSON file of its nodes.
 - ``cudnn_benchmark_forced_off``: ``NX_PROBE_NO_CUDNN_BENCHMARK=1`` was set (see below).
 - ``autotune``: every Inductor Triton kernel that benchmarked its configs in this process
   (``CachingAutotuner.benchmark_all_configs``): kernel name, number of configs, seconds, and the
@@ -101,6 +102,50 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Finder())
+
+
+def _patch_split(mod) -> None:
+    """``NX_PROBE_CUT=<dir>``: every cut's nodes in graph order, one JSON file per cut: each node's
+    target, output layout, weight in the cut and part (to fit the cut's cost model offline)."""
+    original = mod.assign
+
+    def assign(gm, n):
+        mapping = original(gm, n)
+        if mapping is not None:
+            rows = [[mod._kind(node), mod._signature(node), mod._weight(node), mapping[node]]
+                    for node in gm.graph.nodes if node in mapping]
+            path = os.path.join(os.environ["NX_PROBE_CUT"], f"cut-{os.getpid()}-{len(os.listdir(os.environ['NX_PROBE_CUT']))}.json")
+            with open(path, "w") as f:
+                json.dump({"n": n, "share": os.environ.get("NEXFORT_OWN_PART_SHARE"), "nodes": rows}, f)
+        return mapping
+
+    mod.assign = assign
+
+
+class _SplitFinder(_Finder):
+    TARGET = "nexfort_engine.split"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            _patch_split(module)
+
+        loader.exec_module = patched
+        return spec
+
+
+if os.environ.get("NX_PROBE_CUT"):
+    os.makedirs(os.environ["NX_PROBE_CUT"], exist_ok=True)
+    sys.meta_path.insert(0, _SplitFinder())
 
 _samples = {"n": 0, "incl": {}, "leaf": {}, "timeline": []}
 #: ``NX_PROBE_TIMELINE=1`` with ``NX_PROBE_SAMPLE``: also keep every sample's perf_counter time and
