@@ -1,7 +1,8 @@
 """One traced graph compiled as consecutive parts, the parts compiled in parallel processes.
 
 What: with ``"compile_workers": N`` (N > 1), the graph Dynamo traces from a whole model is cut into N
-consecutive parts of about equal node count (:func:`split`, torch.fx's ``split_module``). Each part
+consecutive parts of about equal compile cost (:func:`split`, torch.fx's ``split_module``; the cost
+is a part's node count plus a weight per distinct kernel, :func:`assign`). Each part
 is compiled by AOTAutograd and Inductor on its own: N - 1 of them by compile workers, child
 processes started when the trace starts (:func:`nexfort_engine.background.start_worker`), one in
 the caller's process. A worker holds no model: it gets the engine's options and resolved settings,
@@ -58,11 +59,24 @@ log = logging.getLogger(__name__)
 #: ``NEXFORT_MIN_PART_NODES`` overrides it (tests cut tiny graphs)
 MIN_NODES_PER_PART = 64
 ENV_MIN_PART_NODES = "NEXFORT_MIN_PART_NODES"
-#: the first part's size against each other part's (the caller compiles it, after Dynamo's guards)
-OWN_PART_SHARE = 0.7
+#: the first part's cost against each other part's (the caller compiles it, after Dynamo's guards)
+OWN_PART_SHARE = 0.8
 ENV_OWN_PART_SHARE = "NEXFORT_OWN_PART_SHARE"
 #: op codes that are bookkeeping, not compute: not counted when balancing the parts
 _FREE_OPS = ("placeholder", "output", "get_attr")
+#: what a node that makes a kernel unlike any before it in its part costs, in compute nodes. A
+#: worker's part compiled in about 0.015 s per node + 0.52 s per such kernel + 8.7 s (fit over
+#: run192's 25 parts of SDXL and SD2.1 compiled by workers, four cuts): 34 nodes. Counting nodes
+#: alone left SDXL's last part (its output blocks: ResBlocks at three widths) 50 % slower than the
+#: others, while its repeated transformer blocks reuse their few kernels.
+NEW_KERNEL_WEIGHT = 34
+#: node targets (functions, and methods without their dot) that make no kernel of their own
+_NO_KERNEL = frozenset({
+    "view", "reshape", "transpose", "permute", "movedim", "flatten", "unflatten", "chunk", "split", "unbind",
+    "contiguous", "type", "float", "half", "bfloat16", "to", "expand", "unsqueeze", "squeeze", "size", "dim",
+    "dropout", "linear", "conv1d", "conv2d", "conv3d", "scaled_dot_product_attention", "matmul", "bmm", "mm",
+    "addmm", "baddbmm", "einsum",
+})
 
 
 #: a child that has not delivered its part by then is stopped, and the part compiled here
@@ -198,30 +212,76 @@ def _weight(node: fx.Node) -> int:
     return 1
 
 
+def _makes_kernel(node: fx.Node) -> bool:
+    """Whether Inductor generates a kernel of its own for the node (not a view or layout change it
+    folds into the kernels around it, an identity, or a call into a library's matmul, convolution
+    or attention)."""
+    return bool(_weight(node)) and _kind(node).lstrip(".") not in _NO_KERNEL
+
+
+def _costs(gm: fx.GraphModule) -> list[tuple[fx.Node, int, str | None]]:
+    """Per node in graph order: its weight, and its kernel signature if it makes a kernel."""
+    return [(node, _weight(node), _signature(node) if _makes_kernel(node) else None)
+            for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
+
+
+def _fill(costs: Sequence[tuple[fx.Node, int, str | None]], n: int, cap: float, share: float) -> tuple[list[int], bool]:
+    """Greedy consecutive parts of at most ``cap`` (the first: ``share * cap``); whether they fit."""
+    out: list[int] = []
+    part, cost, seen, ok = 0, 0.0, set[str](), True
+    for _node, weight, sig in costs:
+        c = weight + (NEW_KERNEL_WEIGHT if sig is not None and sig not in seen else 0)
+        budget = cap * share if part == 0 else cap
+        if weight and cost > 0 and cost + c > budget and part < n - 1:
+            part, cost, seen = part + 1, 0.0, set()
+            c = weight + (NEW_KERNEL_WEIGHT if sig is not None else 0)
+        if sig is not None:
+            seen.add(sig)
+        cost += c
+        ok = ok and cost <= (cap * share if part == 0 else cap)
+        out.append(part)
+    return out, ok
+
+
+def part_costs(gm: fx.GraphModule, mapping: dict[fx.Node, int]) -> list[int]:
+    """What :func:`assign` weighs each part at: its compute nodes, plus :data:`NEW_KERNEL_WEIGHT`
+    per kernel signature the part holds."""
+    n = max(mapping.values()) + 1
+    weights, sigs = [0] * n, [set[str]() for _ in range(n)]
+    for node, weight, sig in _costs(gm):
+        weights[mapping[node]] += weight
+        if sig is not None:
+            sigs[mapping[node]].add(sig)
+    return [w + NEW_KERNEL_WEIGHT * len(s) for w, s in zip(weights, sigs, strict=True)]
+
+
 def assign(gm: fx.GraphModule, n: int) -> dict[fx.Node, int] | None:
-    """Node -> part for ``n`` consecutive parts of about equal compute-node count (graph order is
+    """Node -> part for ``n`` consecutive parts of about equal compile cost (graph order is
     topological, so every value flows forward), or ``None`` if the graph is too small to cut.
-    The first part (the caller's) is ``NEXFORT_OWN_PART_SHARE`` (default :data:`OWN_PART_SHARE`)
-    times the size of each other."""
-    nodes = [node for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
-    total = sum(_weight(node) for node in nodes)
+
+    A part's cost is its compute-node count plus :data:`NEW_KERNEL_WEIGHT` per kernel unlike the
+    others in it (:func:`part_costs`): the cut that minimises the most costly part, found by
+    bisection over that maximum with a greedy fill. The first part (the caller's) gets
+    ``NEXFORT_OWN_PART_SHARE`` (default :data:`OWN_PART_SHARE`) times the others' budget."""
+    costs = _costs(gm)
+    total = sum(weight for _node, weight, _sig in costs)
     minimum = int(os.environ.get(ENV_MIN_PART_NODES) or MIN_NODES_PER_PART)
     if n < 2 or total < n * minimum:
         return None
     share = float(os.environ.get(ENV_OWN_PART_SHARE) or OWN_PART_SHARE)
     if not 0.05 <= share <= 4.0:
         raise ValueError(f"{ENV_OWN_PART_SHARE}={share}: a share from 0.05 to 4")
-    # part k ends where the weight seen reaches (share + k) / (share + n - 1) of the total
-    ends = [total * (share + k) / (share + n - 1) for k in range(n)]
-    out: dict[fx.Node, int] = {}
-    seen, part = 0, 0
-    for node in nodes:
-        while part < n - 1 and seen >= ends[part]:
-            part += 1
-        out[node] = part
-        seen += _weight(node)
+    lo, hi = 0, int(total * (1 + NEW_KERNEL_WEIGHT) * max(1.0, 1 / share)) + 1  # hi fits all in part 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fill(costs, n, mid, share)[1]:
+            hi = mid
+        else:
+            lo = mid
+    parts, _ok = _fill(costs, n, hi, share)
+    out = {node: part for (node, _w, _s), part in zip(costs, parts, strict=True)}
     # a get_attr goes with its first user (split_module copies the attribute into that part)
-    for node in nodes:
+    for node, _w, _s in costs:
         if node.op == "get_attr" and node.users:
             out[node] = min(out[u] for u in node.users if u in out) if any(u in out for u in node.users) else out[node]
     if len(set(out.values())) < n:
