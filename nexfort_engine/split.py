@@ -65,11 +65,13 @@ ENV_OWN_PART_SHARE = "NEXFORT_OWN_PART_SHARE"
 #: op codes that are bookkeeping, not compute: not counted when balancing the parts
 _FREE_OPS = ("placeholder", "output", "get_attr")
 #: what a node that makes a kernel unlike any before it in its part costs, in compute nodes. A
-#: worker's part compiled in about 0.015 s per node + 0.52 s per such kernel + 8.7 s (fit over
-#: run192's 25 parts of SDXL and SD2.1 compiled by workers, four cuts): 34 nodes. Counting nodes
-#: alone left SDXL's last part (its output blocks: ResBlocks at three widths) 50 % slower than the
-#: others, while its repeated transformer blocks reuse their few kernels.
-NEW_KERNEL_WEIGHT = 34
+#: worker's part compiled in about 0.042 s per node + 0.58 s per such kernel + 3.4 s (fit over 49
+#: parts of SDXL and SD2.1 compiled by workers in nine cold compiles, runs 192-193, on each
+#: machine's own scale; 8 % rms error): 14 nodes. Counting nodes alone left SDXL's last part (its
+#: output blocks: ResBlocks at three widths) 50 % slower than the others, while its repeated
+#: transformer blocks reuse their few kernels. A first fit without cuts of unequal node counts
+#: (34 nodes) overloaded the transformer stretch (run193).
+NEW_KERNEL_WEIGHT = 14
 #: node targets (functions, and methods without their dot) that make no kernel of their own
 _NO_KERNEL = frozenset({
     "view", "reshape", "transpose", "permute", "movedim", "flatten", "unflatten", "chunk", "split", "unbind",
