@@ -227,7 +227,7 @@ def _costs(gm: fx.GraphModule) -> list[tuple[fx.Node, int, str | None]]:
             for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
 
 
-def _fill(costs: Sequence[tuple[fx.Node, int, str | None]], n: int, cap: float, share: float) -> tuple[list[int], bool]:
+def _fill(costs: Sequence[tuple[Any, int, str | None]], n: int, cap: float, share: float) -> tuple[list[int], bool]:
     """Greedy consecutive parts of at most ``cap`` (the first: ``share * cap``); whether they fit."""
     out: list[int] = []
     part, cost, seen, ok = 0, 0.0, set[str](), True
@@ -243,6 +243,21 @@ def _fill(costs: Sequence[tuple[fx.Node, int, str | None]], n: int, cap: float, 
         ok = ok and cost <= (cap * share if part == 0 else cap)
         out.append(part)
     return out, ok
+
+
+def cut_costs(costs: Sequence[tuple[Any, int, str | None]], n: int, share: float) -> list[int]:
+    """Each node's part in the cut of ``n`` parts whose costliest part is least (the first part's
+    budget ``share`` times the others'): bisection over the budget with :func:`_fill`. ``costs``:
+    per node, (anything, weight, kernel signature or ``None``), as :func:`_costs` gives them."""
+    total = sum(weight for _node, weight, _sig in costs)
+    lo, hi = 0, int(total * (1 + NEW_KERNEL_WEIGHT) * max(1.0, 1 / share)) + 1  # hi fits all in part 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fill(costs, n, mid, share)[1]:
+            hi = mid
+        else:
+            lo = mid
+    return _fill(costs, n, hi, share)[0]
 
 
 def part_costs(gm: fx.GraphModule, mapping: dict[fx.Node, int]) -> list[int]:
@@ -273,15 +288,7 @@ def assign(gm: fx.GraphModule, n: int) -> dict[fx.Node, int] | None:
     share = float(os.environ.get(ENV_OWN_PART_SHARE) or OWN_PART_SHARE)
     if not 0.05 <= share <= 4.0:
         raise ValueError(f"{ENV_OWN_PART_SHARE}={share}: a share from 0.05 to 4")
-    lo, hi = 0, int(total * (1 + NEW_KERNEL_WEIGHT) * max(1.0, 1 / share)) + 1  # hi fits all in part 0
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _fill(costs, n, mid, share)[1]:
-            hi = mid
-        else:
-            lo = mid
-    parts, _ok = _fill(costs, n, hi, share)
-    out = {node: part for (node, _w, _s), part in zip(costs, parts, strict=True)}
+    out = {node: part for (node, _w, _s), part in zip(costs, cut_costs(costs, n, share), strict=True)}
     # a get_attr goes with its first user (split_module copies the attribute into that part)
     for node, _w, _s in costs:
         if node.op == "get_attr" and node.users:

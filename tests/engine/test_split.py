@@ -421,3 +421,27 @@ def test_a_worker_waits_for_its_part_and_stops_when_cancelled(tmp_path):
     job.cancel()
     assert job.done() and job.proc.returncode != 0
     assert not (job.path / background.PART_FILE).exists()
+
+
+def test_the_cut_of_sdxls_traced_graph_is_the_measured_one():
+    """The engine's cut over the nodes of SDXL's real traced graph (dumped on the GPU host by the
+    probe, run192) gives the parts whose compile times run193 measured, with the last part no
+    longer holding three times the new kernels of the transformer parts."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("fit_cut_cost", root / "benchmarks" / "fit_cut_cost.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    import gzip
+    import json
+
+    with gzip.open(root / "benchmarks/results/2026-11-25-h100/run192_part_times/cut_nodes_sdxl.json.gz", "rt") as f:
+        rows = json.load(f)["nodes"]
+    parts = fit.cost_cut(rows, 6, split.OWN_PART_SHARE, split.NEW_KERNEL_WEIGHT)
+    feats = fit.features(rows, parts, 6)
+    assert [n for n, _k in feats] == [262, 667, 625, 625, 625, 365], feats  # sdxl_k14*.json, run193
+    assert [k for _n, k in feats] == [26, 9, 12, 12, 12, 30], feats
+    old = fit.features(rows, fit.node_cut(rows, 6, 0.7), 6)  # the node-count cut of before
+    assert [n for n, _k in old] == [390, 556, 556, 556, 556, 555] and old[5][1] == 34, old
