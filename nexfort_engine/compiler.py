@@ -319,7 +319,7 @@ class CompiledModule(torch.nn.Module):
         those a child did not deliver): the parts' compiled bytes in order."""
         label, count = self._nx_label, len(cut.parts)
         blobs: list[bytes | None] = [None] * count
-        each = {part.index: split.part_profile(part) for part in cut.parts}
+        each: dict[int, dict[str, Any]] = {part.index: {} for part in cut.parts}
         t0 = time.perf_counter()
         for part in cut.parts:
             if part.index not in jobs:
@@ -350,7 +350,9 @@ class CompiledModule(torch.nn.Module):
                 each[d["index"]].update(where="child", compile_s=round(d["times"]["compiled"] - d["times"]["unpickled"], 3),
                                         phases_s={k: round(v, 2) for k, v in sorted((d.get("phases") or {}).items(),
                                                                                    key=lambda kv: -kv[1])[:8]})
-        counters.set_info(label, compile_parts_each=[each[i] for i in sorted(each)])
+        # what each part holds, counted once every part is in (off the caller's critical path)
+        counters.set_info(label, compile_parts_each=[{**split.part_profile(part), **each[part.index]}
+                                                     for part in cut.parts])
         counters.set_info(label, compile_parts="; ".join([f"{count} parts, {from_children} from child processes",
                                                           *here]),
                           compile_parts_own_seconds=round(own_s, 3),
