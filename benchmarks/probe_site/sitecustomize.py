@@ -81,10 +81,13 @@ def _patch_heuristics(mod) -> None:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    TARGET = "torch._inductor.runtime.triton_heuristics"
+    """Runs ``patch(module)`` once the module ``target`` has been imported (then leaves sys.meta_path)."""
+
+    def __init__(self, target: str, patch) -> None:
+        self.target, self.patch = target, patch
 
     def find_spec(self, name, path, target=None):
-        if name != self.TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -95,13 +98,13 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def patched(module):
             exec_module(module)
-            _patch_heuristics(module)
+            self.patch(module)
 
         loader.exec_module = patched
         return spec
 
 
-sys.meta_path.insert(0, _Finder())
+sys.meta_path.insert(0, _Finder("torch._inductor.runtime.triton_heuristics", _patch_heuristics))
 
 
 def _patch_split(mod) -> None:
@@ -122,30 +125,9 @@ def _patch_split(mod) -> None:
     mod.assign = assign
 
 
-class _SplitFinder(_Finder):
-    TARGET = "nexfort_engine.split"
-
-    def find_spec(self, name, path, target=None):
-        if name != self.TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def patched(module):
-            exec_module(module)
-            _patch_split(module)
-
-        loader.exec_module = patched
-        return spec
-
-
 if os.environ.get("NX_PROBE_CUT"):
     os.makedirs(os.environ["NX_PROBE_CUT"], exist_ok=True)
-    sys.meta_path.insert(0, _SplitFinder())
+    sys.meta_path.insert(0, _Finder("nexfort_engine.split", _patch_split))
 
 _samples = {"n": 0, "incl": {}, "leaf": {}, "timeline": []}
 #: ``NX_PROBE_TIMELINE=1`` with ``NX_PROBE_SAMPLE``: also keep every sample's perf_counter time and
