@@ -48,7 +48,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import fx
@@ -221,16 +221,16 @@ def _makes_kernel(node: fx.Node) -> bool:
     return bool(_weight(node)) and _kind(node).lstrip(".") not in _NO_KERNEL
 
 
-def _costs(gm: fx.GraphModule) -> list[tuple[fx.Node, int, str | None]]:
+def _costs(gm: fx.GraphModule) -> list[tuple[fx.Node, int, Hashable | None]]:
     """Per node in graph order: its weight, and its kernel signature if it makes a kernel."""
     return [(node, _weight(node), _signature(node) if _makes_kernel(node) else None)
             for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
 
 
-def _fill(costs: Sequence[tuple[Any, int, str | None]], n: int, cap: float, share: float) -> tuple[list[int], bool]:
+def _fill(costs: Sequence[tuple[Any, int, Hashable | None]], n: int, cap: float, share: float) -> tuple[list[int], bool]:
     """Greedy consecutive parts of at most ``cap`` (the first: ``share * cap``); whether they fit."""
     out: list[int] = []
-    part, cost, seen, ok = 0, 0.0, set[str](), True
+    part, cost, seen, ok = 0, 0.0, set[Hashable](), True
     for _node, weight, sig in costs:
         c = weight + (NEW_KERNEL_WEIGHT if sig is not None and sig not in seen else 0)
         budget = cap * share if part == 0 else cap
@@ -245,7 +245,7 @@ def _fill(costs: Sequence[tuple[Any, int, str | None]], n: int, cap: float, shar
     return out, ok
 
 
-def cut_costs(costs: Sequence[tuple[Any, int, str | None]], n: int, share: float) -> list[int]:
+def cut_costs(costs: Sequence[tuple[Any, int, Hashable | None]], n: int, share: float) -> list[int]:
     """Each node's part in the cut of ``n`` parts whose costliest part is least (the first part's
     budget ``share`` times the others'): bisection over the budget with :func:`_fill`. ``costs``:
     per node, (anything, weight, kernel signature or ``None``), as :func:`_costs` gives them."""
@@ -264,7 +264,7 @@ def part_costs(gm: fx.GraphModule, mapping: dict[fx.Node, int]) -> list[int]:
     """What :func:`assign` weighs each part at: its compute nodes, plus :data:`NEW_KERNEL_WEIGHT`
     per kernel signature the part holds."""
     n = max(mapping.values()) + 1
-    weights, sigs = [0] * n, [set[str]() for _ in range(n)]
+    weights, sigs = [0] * n, [set[Hashable]() for _ in range(n)]
     for node, weight, sig in _costs(gm):
         weights[mapping[node]] += weight
         if sig is not None:
@@ -309,7 +309,7 @@ def _example(node: fx.Node) -> Any:
 def _layout(v: Any) -> Any:
     """What of an example value a cut depends on, comparable without guarding on symbols."""
     if isinstance(v, torch.Tensor):
-        return (v.dtype, tuple(map(str, v.shape)), tuple(map(str, v.stride())))
+        return (v.dtype, tuple(map(_size_key, v.shape)), tuple(map(_size_key, v.stride())))
     if isinstance(v, (tuple, list)):
         return tuple(_layout(x) for x in v)
     return type(v).__name__
@@ -505,7 +505,7 @@ def part_profile(part: Part, top: int = 40) -> dict[str, Any]:
     """What a part holds (diagnostics for the cut's balance): its compute-node count as
     :func:`assign` weighs it, and its ``top`` most frequent node targets with their counts."""
     kinds: dict[str, int] = {}
-    signatures: set[str] = set()
+    signatures: set[Hashable] = set()
     weight = 0
     for node in part.module.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -519,13 +519,22 @@ def part_profile(part: Part, top: int = 40) -> dict[str, Any]:
             "kinds": ranked}
 
 
-def _signature(node: fx.Node) -> str:
-    """A node's target with its output's layout: nodes alike in it compile to alike kernels."""
+def _signature(node: fx.Node) -> Hashable:
+    """A node's target with its output's layout (dtype, device, sizes and strides, symbolic ones as
+    their sympy expressions: printing them would cost a cut of SDXL 0.4 s): nodes alike in it
+    compile to alike kernels."""
     try:
         value = _example(node)
     except KeyError:
         value = None
-    return f"{_kind(node)}:{_describe(value) if isinstance(value, torch.Tensor) else type(value).__name__}"
+    if not isinstance(value, torch.Tensor):
+        return (_kind(node), type(value).__name__)
+    return (_kind(node), value.dtype, value.device.type, tuple(map(_size_key, value.shape)),
+            tuple(map(_size_key, value.stride())))
+
+
+def _size_key(v: Any) -> Hashable:
+    return v.node.expr if isinstance(v, torch.SymInt) else v
 
 
 def slowest_child(delivered: Sequence[dict[str, Any]], top: int = 8) -> dict[str, Any]:

@@ -115,7 +115,7 @@ def _patch_split(mod) -> None:
     def assign(gm, n):
         mapping = original(gm, n)
         if mapping is not None:
-            rows = [[mod._kind(node), mod._signature(node), mod._weight(node), mapping[node]]
+            rows = [[mod._kind(node), str(mod._signature(node)), mod._weight(node), mapping[node]]
                     for node in gm.graph.nodes if node in mapping]
             path = os.path.join(os.environ["NX_PROBE_CUT"], f"cut-{os.getpid()}-{len(os.listdir(os.environ['NX_PROBE_CUT']))}.json")
             with open(path, "w") as f:
