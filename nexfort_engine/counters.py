@@ -80,8 +80,9 @@ class _Record:
     #: the worker whose part compiled longest: {"part", "compile_s", "phases_s": torch's longest
     #: compile phases in it} (split.slowest_child)
     compile_parts_slowest_child: dict[str, Any] = field(default_factory=dict)
-    #: every part of the last cut: {"part", "nodes", "inputs", "kinds": its most frequent node
-    #: targets, "where": "here" or "child", "compile_s", "phases_s"} (split.part_profile)
+    #: every part of the last cut: {"part", "nodes", "distinct" (node layouts), "kernels" and
+    #: "cost" (as the cut weighed it), "inputs", "kinds": its most frequent node targets, "where":
+    #: "here" or "child", "compile_s", "phases_s"} (split.part_profile)
     compile_parts_each: list[dict[str, Any]] = field(default_factory=list)
     #: seconds per step of the last cold compile of a precompiled graph (start_workers,
     #: trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest worker per

@@ -502,10 +502,12 @@ def _kind(node: fx.Node) -> str:
 
 
 def part_profile(part: Part, top: int = 40) -> dict[str, Any]:
-    """What a part holds (diagnostics for the cut's balance): its compute-node count as
-    :func:`assign` weighs it, and its ``top`` most frequent node targets with their counts."""
+    """What a part holds (diagnostics for the cut's balance): its compute-node count, its distinct
+    node layouts, its kernels as :func:`assign` counts them and its cost there, and its ``top``
+    most frequent node targets with their counts."""
     kinds: dict[str, int] = {}
     signatures: set[Hashable] = set()
+    kernels: set[Hashable] = set()
     weight = 0
     for node in part.module.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -514,9 +516,11 @@ def part_profile(part: Part, top: int = 40) -> dict[str, Any]:
         if _weight(node):
             kinds[_kind(node)] = kinds.get(_kind(node), 0) + 1
             signatures.add(_signature(node))
+            if _makes_kernel(node):
+                kernels.add(_signature(node))
     ranked = dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
-    return {"part": part.index, "nodes": weight, "distinct": len(signatures), "inputs": len(part.inputs),
-            "kinds": ranked}
+    return {"part": part.index, "nodes": weight, "distinct": len(signatures), "kernels": len(kernels),
+            "cost": weight + NEW_KERNEL_WEIGHT * len(kernels), "inputs": len(part.inputs), "kinds": ranked}
 
 
 def _signature(node: fx.Node) -> Hashable:

@@ -323,6 +323,8 @@ def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_pat
     assert [d["part"] for d in each] == [0, 1, 2] and [d["where"] for d in each] == ["here", "child", "child"], each
     assert all(d["nodes"] > 0 and d["compile_s"] > 0 and sum(d["kinds"].values()) == d["nodes"] for d in each), each
     assert "compile_fx_inner" in each[0]["phases_s"] and each[slowest["part"]]["compile_s"] == slowest["compile_s"]
+    assert all(0 < d["kernels"] <= d["distinct"] and d["cost"] == d["nodes"] + split.NEW_KERNEL_WEIGHT * d["kernels"]
+               for d in each), each
     phases = rec["compile_phases"]
     assert {"trace_and_compile", "cut", "ship", "children_received", "children_compiled", "load",
             "first_run"} <= set(phases), phases
