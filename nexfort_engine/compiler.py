@@ -335,7 +335,9 @@ class CompiledModule(torch.nn.Module):
             if got is None:
                 here.append(f"part {index} compiled here: {why}")
                 log.warning("nexfort: %s: part %d of %d compiled here (%s)", label, index, count, why)
+                t_part = time.perf_counter()
                 got = split.compile_part(part, self._compile_graph)
+                each[index].update(where="here", compile_s=round(time.perf_counter() - t_part, 3))
             else:
                 from_children += 1
             blobs[index] = got

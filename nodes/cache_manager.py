@@ -109,6 +109,10 @@ def report(store: CacheStore, message: str = "") -> str:
                 phases = ", ".join(f"{k} {v:.1f}s" for k, v in list(slow.get("phases_s", {}).items())[:3])
                 lines.append(f"    slowest worker: part {slow.get('part')}, {slow.get('compile_s', 0.0):.1f}s"
                              + (f" ({phases})" if phases else ""))
+            if each := [d for d in m.get("compile_parts_each") or [] if "compile_s" in d]:  # the cut's balance
+                lines.append("    parts' compile: " + ", ".join(
+                    f"{d['part']}{' (here)' if d.get('where') == 'here' else ''} {d['compile_s']:.1f}s"
+                    f" ({d['nodes']} nodes, {d.get('kernels', '?')} kernels)" for d in each))
             if late := m.get("precompiled_late_size_guards"):  # taken after Dynamo's guards: ours check them
                 lines.append(f"    size guards from the parts' compile: {len(late)}, checked on every call"
                              f" (e.g. {late[0]})")

@@ -377,6 +377,7 @@ def test_parts_that_cannot_ship_or_are_not_delivered_are_compiled_here(small_par
     assert parts.startswith("3 parts, 0 from child processes"), parts
     assert "part 1 compiled here: it cannot be shipped (TypeError: cannot pickle this" in parts, parts
     assert "part 2 compiled here: exit code" in parts, parts
+    assert [d.get("where") for d in rec["compile_parts_each"]] == ["here"] * 3, rec["compile_parts_each"]
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 

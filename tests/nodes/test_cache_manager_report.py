@@ -48,6 +48,13 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
                                                      "Scheduler.codegen": 5.6}})
     assert ("    slowest worker: part 2, 19.9s (create_aot_dispatcher_function 18.9s, compile_fx_inner 12.6s, "
             "GraphLowering.codegen 7.8s)") in cache_manager.report(CacheStore(tmp_path))
+    assert "parts' compile" not in cache_manager.report(CacheStore(tmp_path))
+    counters.set_info("UNetModel:aa", compile_parts_each=[
+        {"part": 0, "nodes": 262, "kernels": 26, "where": "here", "compile_s": 18.93},
+        {"part": 1, "nodes": 667, "kernels": 9, "where": "child", "compile_s": 33.294},
+        {"part": 2, "nodes": 625, "kernels": 12}])  # a part its worker did not deliver: no time
+    assert ("    parts' compile: 0 (here) 18.9s (262 nodes, 26 kernels), 1 33.3s (667 nodes, 9 kernels)"
+            in cache_manager.report(CacheStore(tmp_path)))
     assert "size guards from the parts" not in cache_manager.report(CacheStore(tmp_path))
     counters.set_info("UNetModel:aa", precompiled_late_size_guards=["81920*s33*s53*s92 <= 2147483647",
                                                                     "16*s33*s53*s92 <= 2147483647"])
