@@ -1,0 +1,65 @@
+"""CPU: Dynamo's trace of an SDXL-topology UNet (narrow, real depth) with F.linear as is, against
+F.linear replaced during the trace by a custom op whose fake implementation only allocates.
+
+    .venv/bin/python benchmarks/results/2026-11-25-cpu/trace_linear_op.py   (MODES=aten,op,aten,op)
+
+A measurement for a lead (BENCHMARKS.md, twenty-seventh session), not engine code.
+"""
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+import tiny_models  # noqa: E402
+import torch  # noqa: E402
+
+tiny_models.boot()
+import comfy.supported_models  # noqa: E402
+
+from benchmarks import models as M  # noqa: E402
+
+
+@torch.library.custom_op("nxprobe::linear", mutates_args=())
+def nx_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch._C._nn.linear(x, w, b)
+
+@nx_linear.register_fake
+def _(x, w, b=None):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+cfg = dict(M._SDXL, model_channels=64, context_dim=64, adm_in_channels=2816)
+mc = comfy.supported_models.SDXL(dict(cfg))
+mc.set_inference_dtype(torch.float32, None)
+dm = mc.get_model({}, "", device=torch.device("cpu")).eval().diffusion_model
+
+
+def inputs():
+    x, t, ctx, y = torch.randn(2, 4, 16, 16), torch.rand(2) * 999, torch.randn(2, 77, 64), torch.randn(2, 2816)
+    for a, dims in ((x, (0, 2, 3)), (t, (0,)), (ctx, (0, 1)), (y, (0,))):
+        torch._dynamo.maybe_mark_dynamic(a, list(dims))
+    return x, t, ctx, y
+
+
+got = {}
+
+
+def backend(gm, ex):
+    got['gm'] = gm
+    return gm.forward
+
+
+orig = torch.nn.functional.linear
+for mode in os.environ.get("MODES", "aten,op,aten,op").split(","):
+    torch._dynamo.reset()
+    if mode == "op":
+        torch.nn.functional.linear = nx_linear
+    x, t, ctx, y = inputs()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = torch.compile(dm, backend=backend, dynamic=None)(x, t, ctx, y=y, transformer_options={})
+    dt = time.perf_counter() - t0
+    torch.nn.functional.linear = orig
+    n = sum(1 for nd in got['gm'].graph.nodes if 'linear' in str(nd.target))
+    print(f"{mode}: trace {dt:.1f} s, {len(got['gm'].graph.nodes)} nodes, {n} linear nodes", flush=True)
