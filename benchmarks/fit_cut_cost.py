@@ -52,11 +52,7 @@ def node_cut(rows: list, n: int, share: float) -> list[int]:
 def cost_cut(rows: list, n: int, share: float, k: int) -> list[int]:
     """The engine's cut (split.assign) at kernel weight ``k``."""
     costs = [(None, w, sig if w and kernel(kind) else None) for kind, sig, w, _p in rows]
-    weight, split.NEW_KERNEL_WEIGHT = split.NEW_KERNEL_WEIGHT, k
-    try:
-        return split.cut_costs(costs, n, share)
-    finally:
-        split.NEW_KERNEL_WEIGHT = weight
+    return split.cut_costs(costs, n, share, kernel_weight=k)
 
 
 def features(rows: list, parts: list[int], n: int) -> list[tuple[int, int]]:

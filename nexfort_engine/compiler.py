@@ -87,10 +87,10 @@ def _compile_metrics() -> dict[str, float]:
     return {k: float(sum(v)) for k, v in compilation_time_metrics.items()}
 
 
-def _phases_since(before: dict[str, float], top: int = 8) -> dict[str, float]:
-    """torch's ``top`` longest compile phases since ``before`` (:func:`_compile_metrics`)."""
-    phases = {k: dt for k, v in _compile_metrics().items() if (dt := v - before.get(k, 0.0)) >= 0.05}
-    return {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])[:top]}
+def _phases_since(before: dict[str, float]) -> dict[str, float]:
+    """Seconds per torch compile phase since ``before`` (:func:`_compile_metrics`), those of 0.05 s
+    or more."""
+    return {k: dt for k, v in _compile_metrics().items() if (dt := v - before.get(k, 0.0)) >= 0.05}
 
 
 def _fx_counters() -> tuple[int, int]:
@@ -326,7 +326,7 @@ class CompiledModule(torch.nn.Module):
                 t_part, before = time.perf_counter(), _compile_metrics()
                 blobs[part.index] = split.compile_part(part, self._compile_graph)
                 each[part.index].update(where="here", compile_s=round(time.perf_counter() - t_part, 3),
-                                        phases_s=_phases_since(before))
+                                        phases_s=split.top_phases(_phases_since(before)))
         own_s = time.perf_counter() - t0
         from_children, delivered = 0, []
         for index, job in sorted(jobs.items()):
@@ -348,10 +348,8 @@ class CompiledModule(torch.nn.Module):
         if slowest := split.slowest_child(delivered):
             counters.set_info(label, compile_parts_slowest_child=slowest)
         for d in delivered:
-            if d.get("index") in each and {"unpickled", "compiled"} <= set(d.get("times") or {}):
-                each[d["index"]].update(where="child", compile_s=round(d["times"]["compiled"] - d["times"]["unpickled"], 3),
-                                        phases_s={k: round(v, 2) for k, v in sorted((d.get("phases") or {}).items(),
-                                                                                   key=lambda kv: -kv[1])[:8]})
+            if d.get("index") in each and (timing := split.child_timing(d)):
+                each[d["index"]].update(where="child", compile_s=timing["compile_s"], phases_s=timing["phases_s"])
         # what each part holds, counted once every part is in (off the caller's critical path)
         counters.set_info(label, compile_parts_each=[{**split.part_profile(part), **each[part.index]}
                                                      for part in cut.parts])
@@ -767,9 +765,8 @@ class CompiledModule(torch.nn.Module):
             compiled = split.compile_part(part, self._compile_graph)
         times["compiled"] = time.time()
         # where the part's compile went, as torch times it
-        phases = {k: dt for k, v in _compile_metrics().items() if (dt := v - before.get(k, 0.0)) >= 0.05}
         atomic_write_bytes(out, split.dump_part(index, fingerprint, compiled, split.guards_since(shape_env, start),
-                                                times, phases))
+                                                times, _phases_since(before)))
 
     def _aot_unsupported(self, reason: str) -> None:
         counters.set_info(self._nx_label, precompiled=f"off: {reason}")

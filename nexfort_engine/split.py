@@ -227,37 +227,49 @@ def _costs(gm: fx.GraphModule) -> list[tuple[fx.Node, int, Hashable | None]]:
             for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
 
 
-def _fill(costs: Sequence[tuple[Any, int, Hashable | None]], n: int, cap: float, share: float) -> tuple[list[int], bool]:
+def _fill(costs: Sequence[tuple[Any, int, Hashable | None]], n: int, cap: float, share: float,
+          kernel_weight: int) -> tuple[list[int], bool]:
     """Greedy consecutive parts of at most ``cap`` (the first: ``share * cap``); whether they fit."""
     out: list[int] = []
     part, cost, seen, ok = 0, 0.0, set[Hashable](), True
     for _node, weight, sig in costs:
-        c = weight + (NEW_KERNEL_WEIGHT if sig is not None and sig not in seen else 0)
-        budget = cap * share if part == 0 else cap
-        if weight and cost > 0 and cost + c > budget and part < n - 1:
+        new = sig is not None and sig not in seen
+        if weight and cost > 0 and part < n - 1 and cost + weight + kernel_weight * new > _budget(part, cap, share):
             part, cost, seen = part + 1, 0.0, set()
-            c = weight + (NEW_KERNEL_WEIGHT if sig is not None else 0)
+            new = sig is not None
         if sig is not None:
             seen.add(sig)
-        cost += c
-        ok = ok and cost <= (cap * share if part == 0 else cap)
+        cost += weight + kernel_weight * new
+        ok = ok and cost <= _budget(part, cap, share)
         out.append(part)
     return out, ok
 
 
-def cut_costs(costs: Sequence[tuple[Any, int, Hashable | None]], n: int, share: float) -> list[int]:
+def _budget(part: int, cap: float, share: float) -> float:
+    return cap * share if part == 0 else cap
+
+
+def _cost(nodes: int, kernels: int) -> int:
+    """A part's compile cost as the cut weighs it (:data:`NEW_KERNEL_WEIGHT`)."""
+    return nodes + NEW_KERNEL_WEIGHT * kernels
+
+
+def cut_costs(costs: Sequence[tuple[Any, int, Hashable | None]], n: int, share: float,
+              kernel_weight: int | None = None) -> list[int]:
     """Each node's part in the cut of ``n`` parts whose costliest part is least (the first part's
     budget ``share`` times the others'): bisection over the budget with :func:`_fill`. ``costs``:
-    per node, (anything, weight, kernel signature or ``None``), as :func:`_costs` gives them."""
+    per node, (anything, weight, kernel signature or ``None``), as :func:`_costs` gives them;
+    ``kernel_weight``: :data:`NEW_KERNEL_WEIGHT` unless given (the fit weighs other values)."""
+    kw = NEW_KERNEL_WEIGHT if kernel_weight is None else kernel_weight
     total = sum(weight for _node, weight, _sig in costs)
-    lo, hi = 0, int(total * (1 + NEW_KERNEL_WEIGHT) * max(1.0, 1 / share)) + 1  # hi fits all in part 0
+    lo, hi = 0, int(total * (1 + kw) * max(1.0, 1 / share)) + 1  # hi fits all in part 0
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _fill(costs, n, mid, share)[1]:
+        if _fill(costs, n, mid, share, kw)[1]:
             hi = mid
         else:
             lo = mid
-    return _fill(costs, n, hi, share)[0]
+    return _fill(costs, n, hi, share, kw)[0]
 
 
 def part_costs(gm: fx.GraphModule, mapping: dict[fx.Node, int]) -> list[int]:
@@ -269,7 +281,7 @@ def part_costs(gm: fx.GraphModule, mapping: dict[fx.Node, int]) -> list[int]:
         weights[mapping[node]] += weight
         if sig is not None:
             sigs[mapping[node]].add(sig)
-    return [w + NEW_KERNEL_WEIGHT * len(s) for w, s in zip(weights, sigs, strict=True)]
+    return [_cost(w, len(s)) for w, s in zip(weights, sigs, strict=True)]
 
 
 def assign(gm: fx.GraphModule, n: int) -> dict[fx.Node, int] | None:
@@ -509,18 +521,16 @@ def part_profile(part: Part, top: int = 40) -> dict[str, Any]:
     signatures: set[Hashable] = set()
     kernels: set[Hashable] = set()
     weight = 0
-    for node in part.module.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        weight += _weight(node)
-        if _weight(node):
+    for node, w, sig in _costs(part.module):
+        weight += w
+        if w:
             kinds[_kind(node)] = kinds.get(_kind(node), 0) + 1
-            signatures.add(_signature(node))
-            if _makes_kernel(node):
-                kernels.add(_signature(node))
+            signatures.add(_signature(node) if sig is None else sig)
+            if sig is not None:
+                kernels.add(sig)
     ranked = dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
     return {"part": part.index, "nodes": weight, "distinct": len(signatures), "kernels": len(kernels),
-            "cost": weight + NEW_KERNEL_WEIGHT * len(kernels), "inputs": len(part.inputs), "kinds": ranked}
+            "cost": _cost(weight, len(kernels)), "inputs": len(part.inputs), "kinds": ranked}
 
 
 def _signature(node: fx.Node) -> Hashable:
@@ -541,17 +551,32 @@ def _size_key(v: Any) -> Hashable:
     return v.node.expr if isinstance(v, torch.SymInt) else v
 
 
+def top_phases(phases: dict[str, float], top: int = 8) -> dict[str, float]:
+    """The ``top`` longest of torch's compile phases, in seconds to 0.01 s."""
+    return {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])[:top]}
+
+
+def _child_seconds(d: dict[str, Any]) -> float | None:
+    times = d.get("times") or {}
+    return times["compiled"] - times["unpickled"] if {"unpickled", "compiled"} <= set(times) else None
+
+
+def child_timing(d: dict[str, Any], top: int = 8) -> dict[str, Any] | None:
+    """A delivered part's (:func:`load_part`'s dict) index, seconds from its arrival to its
+    compiled bytes and the ``top`` longest of torch's compile phases in it; ``None`` if untimed."""
+    seconds = _child_seconds(d)
+    if seconds is None:
+        return None
+    return {"part": d["index"], "compile_s": round(seconds, 3), "phases_s": top_phases(d.get("phases") or {}, top)}
+
+
 def slowest_child(delivered: Sequence[dict[str, Any]], top: int = 8) -> dict[str, Any]:
-    """Of the parts workers delivered (:func:`load_part`'s dicts), the one that took longest to
-    compile after it arrived: its index, seconds and the ``top`` longest of torch's compile phases
-    in it (diagnostics: where a cut compile's wait goes)."""
-    timed = [d for d in delivered if {"unpickled", "compiled"} <= set(d.get("times") or {})]
+    """Of the parts workers delivered, the one that took longest to compile after it arrived
+    (:func:`child_timing`; diagnostics: where a cut compile's wait goes)."""
+    timed = [d for d in delivered if _child_seconds(d) is not None]
     if not timed:
         return {}
-    d = max(timed, key=lambda d: d["times"]["compiled"] - d["times"]["unpickled"])
-    phases = sorted((d.get("phases") or {}).items(), key=lambda kv: -kv[1])[:top]
-    return {"part": d["index"], "compile_s": round(d["times"]["compiled"] - d["times"]["unpickled"], 3),
-            "phases_s": {k: round(v, 2) for k, v in phases}}
+    return child_timing(max(timed, key=lambda d: _child_seconds(d) or 0.0), top) or {}
 
 
 def dump_part(index: int, fingerprint: str, data: bytes, guards: list[str],
