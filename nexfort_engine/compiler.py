@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import background, collector, counters, precompile, prewarm, regions, shapes, split
+from . import background, collector, counters, precompile, prewarm, regions, shapes, split, trace_ops
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR, atomic_write_bytes
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
@@ -53,13 +53,23 @@ _compile_lock = threading.RLock()
 
 #: ``NEXFORT_PRECOMPILE=0``: compile through ``torch.compile`` only (no ahead-of-time artifacts)
 ENV_PRECOMPILE = "NEXFORT_PRECOMPILE"
+#: ``NEXFORT_TRACE_STAND_INS=0``: trace ``F.linear`` as itself (trace_ops.py), for A/B measurements
+ENV_STAND_INS = "NEXFORT_TRACE_STAND_INS"
 #: ahead-of-time graphs per compiled module (one per guard set: batch 1 and 2, another patch,
 #: a size Dynamo specialised); past it the module compiles through ``torch.compile``
 MAX_PRECOMPILED = 8
 
 
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def precompile_enabled() -> bool:
-    return os.environ.get(ENV_PRECOMPILE, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env_on(ENV_PRECOMPILE)
+
+
+def stand_ins_enabled() -> bool:
+    return _env_on(ENV_STAND_INS)
 
 
 def _exception_chain(err: BaseException) -> list[BaseException]:
@@ -229,6 +239,8 @@ class CompiledModule(torch.nn.Module):
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """Dynamo's backend: compile one graph; count it only once it compiled (Dynamo may restart
         an analysis, e.g. TensorifyScalarRestartAnalysis, by raising from inside the backend)."""
+        if n := trace_ops.restore(gm):
+            counters.set_info(self._nx_label, trace_stand_ins=n)
         if self._nx_group_norm and (n := group_norm.rewrite_group_norms(gm)):
             self._nx_group_norms += n
             counters.set_info(self._nx_label, group_norms_rewritten=self._nx_group_norms)
@@ -683,7 +695,13 @@ class CompiledModule(torch.nn.Module):
         trace_args = shapes.fold_spatial(trace_args, self._nx_fold)
         target = self._aot_target(example)
         self_name = next(iter(inspect.signature(target).parameters), None)
-        return precompile.trace(target, (self._orig_mod, *trace_args), trace_kwargs, self._backend, self_name)
+        # F.linear as an op that only allocates while Dynamo traces; the backend restores it
+        # (trace_ops.py). Only here: a saved graph's guards are ours to fingerprint
+        # (torch.compile's live guard on F.linear would fail once it is restored)
+        call = (self._orig_mod, *trace_args)
+        with trace_ops.standing_in(stand_ins_enabled() and trace_ops.plain(self._orig_mod, call, trace_kwargs)):
+            return precompile.trace(target, call, trace_kwargs, self._backend, self_name,
+                                    originals=trace_ops.originals())
 
     # -- compile workers (split.py): children that compile parts of the graph traced next
     def _start_parts(self, example: torch.Tensor | None) -> None:

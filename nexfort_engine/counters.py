@@ -68,6 +68,8 @@ class _Record:
     #: size guards a split graph's parts took after Dynamo built the trace's guards (checked by
     #: the engine, as Python expressions over the input sizes)
     precompiled_late_size_guards: list[str] = field(default_factory=list)
+    #: F.linear calls traced through their stand-in (trace_ops.py), last graph
+    trace_stand_ins: int = 0
     #: ``"background": true`` (background.py): "running (pid N)", "done in Xs", "failed after Xs",
     #: "crashed: <why>" or "off: <why>"; the child's wall time until it was done
     background: str = ""
@@ -116,6 +118,7 @@ class _Record:
             precompiled_stale=self.precompiled_stale,
             precompiled_guards_dropped=self.precompiled_guards_dropped,
             precompiled_late_size_guards=list(self.precompiled_late_size_guards),
+            trace_stand_ins=self.trace_stand_ins,
             background=self.background,
             background_seconds=round(self.background_seconds, 3),
             compile_parts=self.compile_parts,

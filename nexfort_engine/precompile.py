@@ -203,8 +203,10 @@ def _per_call(name: str, self_name: str | None) -> bool:
 class GuardRecorder:
     """``guard_filter_fn`` for :func:`trace`: keeps what torch can save, records the rest."""
 
-    def __init__(self, self_name: str | None) -> None:
+    def __init__(self, self_name: str | None, originals: dict[int, Any] | None = None) -> None:
         self.self_name = self_name
+        #: id of a stand-in seen while tracing -> the object it stands for (trace_ops.originals)
+        self.originals = dict(originals or {})
         self.dropped: list[DroppedGuard] = []
         self.kept = 0
 
@@ -235,8 +237,9 @@ class GuardRecorder:
             fp = None
             key = _guard_key(e)
             if e.has_value:
+                value = self.originals.get(id(e.value), e.value)
                 try:
-                    fp = contains_fingerprint(key, e.value) if key is not None else fingerprint(e.value)
+                    fp = contains_fingerprint(key, value) if key is not None else fingerprint(value)
                 except Exception:  # noqa: BLE001 - an odd object: the name must still resolve
                     fp = None
             self.dropped.append(DroppedGuard(e.guard_type, e.name, fp, _per_call(e.name, self.self_name), key))
@@ -535,13 +538,16 @@ def trace(
     kwargs: dict,
     backend: Callable[..., Any],
     self_name: str | None,
+    originals: dict[int, Any] | None = None,
 ) -> tuple[Any, GuardRecorder]:
     """Trace ``fn(*args, **kwargs)`` into one graph compiled by ``backend`` (which must return
-    :func:`serializable` output). The caller enters its shape policy and marks dynamic sizes."""
+    :func:`serializable` output). The caller enters its shape policy and marks dynamic sizes.
+    ``originals``: stand-ins the trace may meet (by id) and what they stand for, which their
+    guards are fingerprinted as (:mod:`nexfort_engine.trace_ops`)."""
     from torch._dynamo.aot_compile import aot_compile_fullgraph
     from torch._dynamo.hooks import Hooks
 
-    recorder = GuardRecorder(self_name)
+    recorder = GuardRecorder(self_name, originals)
     # aot_compile_fullgraph cannot restart a trace, as turning a float input into a tensor does
     with torch._dynamo.config.patch(specialize_float=True), _guard_state_pickling():
         compiled = aot_compile_fullgraph(fn, (args, kwargs), Hooks(guard_filter_fn=recorder), backend)

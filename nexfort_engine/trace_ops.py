@@ -1,0 +1,137 @@
+"""Stand-ins that make Dynamo's trace cheaper: ``F.linear`` traced as an op that only allocates.
+
+What: while the engine traces a module into a saved graph (:func:`standing_in`, used around
+``precompile.trace``), ``torch.nn.functional.linear`` is a Python function that, under Dynamo,
+calls :func:`trace_linear`, a custom op whose fake implementation allocates the output and checks
+nothing else. The backend turns every such node back into ``torch._C._nn.linear``
+(:func:`restore`) before any pass, cut or compile sees the graph, so what Inductor compiles, what
+the cache keys hash and what runs are the graphs the plain trace gives.
+
+Why: Dynamo propagates fake tensors through every op it traces, in the caller's process, one
+after the other, before any part of the graph can go to a compile worker. ``F.linear``'s fake
+propagation under symbolic sizes goes through ATen's decomposition (reshape, ``mm`` or ``addmm``,
+view back) with its size checks: 15 % of the trace of an SDXL-topology UNet on the CPU box (743
+calls, 6 ms each), and 25.3 / 24.8 s -> 20.7 / 20.3 s with the stand-in (BENCHMARKS.md,
+twenty-seventh section). AOTAutograd still propagates through the real op afterwards, in each
+part's compile, which the workers run in parallel.
+
+Why it is safe:
+- the stand-in's output has the sizes, strides, dtype and device the real op gives: an input of
+  ``(..., in)`` and a weight ``(out, in)`` give a contiguous ``(..., out)`` tensor (ATen's linear
+  folds the leading dims or calls ``matmul``; both return contiguous output);
+- it stands in only where that holds: plain tensors (:func:`plain`: not subclasses, whose own
+  dispatch knows ``aten.linear`` and not this op), a 2-D weight, matching dtypes (else the real op raises as
+  eager does), no autocast (which would change the output dtype);
+- outside a trace (another thread calling ``F.linear`` while the engine traces) it calls the real
+  op: only Dynamo sees the stand-in;
+- the saved graph's guard on ``F.linear`` is fingerprinted as the real function
+  (:func:`originals`, given to ``precompile.GuardRecorder``), so the restored ``F.linear`` passes it:
+  the stand-in never causes a recompile;
+- the reference twin is the op itself: eagerly, :func:`trace_linear` is ``torch._C._nn.linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["originals", "plain", "restore", "standing_in", "trace_linear"]
+
+#: the real function (``torch.nn.functional.linear`` is ``torch._C._nn.linear``)
+_LINEAR = torch._C._nn.linear
+
+
+@torch.library.custom_op("nexfort::trace_linear", mutates_args=())
+def trace_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (eager: exactly it), as one opaque node while Dynamo traces."""
+    return _LINEAR(x, weight, bias)
+
+
+@trace_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the module's parameters and buffers and the call's tensors are all plain tensors:
+    a tensor subclass (ComfyUI's quantized or GGUF weights) dispatches ``aten.linear`` itself and
+    would not know the stand-in. Checked once before the trace (inside it, a type test would be
+    a guard evaluated on every call)."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [*module.parameters(), *module.buffers(), *tree_leaves((args, kwargs))]
+    return all(type(t) in _PLAIN for t in tensors if isinstance(t, torch.Tensor))
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``F.linear`` is while :func:`standing_in` is entered."""
+    if (
+        torch.compiler.is_compiling()
+        and input.dim() >= 1
+        and weight.dim() == 2
+        and input.dtype == weight.dtype
+        and (bias is None or bias.dtype == input.dtype)
+        and not torch.is_autocast_enabled(input.device.type)
+    ):
+        return torch.ops.nexfort.trace_linear(input, weight, bias)
+    return _LINEAR(input, weight, bias)
+
+
+_lock = threading.Lock()
+_depth = 0
+
+
+def _cache_originals() -> None:
+    """Let torch's caches that list ``torch.nn.functional``'s members see the real ``F.linear``
+    before it is swapped: built inside the window (the process's first trace), they would hold
+    the stand-in for good."""
+    torch.overrides.get_overridable_functions()
+    from torch._dynamo.variables.torch import get_overridable_functions
+
+    get_overridable_functions()
+
+
+@contextlib.contextmanager
+def standing_in(enabled: bool = True) -> Iterator[None]:
+    """``F.linear`` is :func:`linear` inside (re-entrant; restored on exit, also on an error)."""
+    global _depth
+    if not enabled:
+        yield
+        return
+    _cache_originals()
+    with _lock:
+        _depth += 1
+        if _depth == 1:
+            F.linear = linear
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                F.linear = _LINEAR
+
+
+def originals() -> dict[int, Any]:
+    """A stand-in's id -> the function it stands for: a guard on a stand-in is a guard on that."""
+    return {id(linear): _LINEAR}
+
+
+def restore(gm: torch.fx.GraphModule) -> int:
+    """Turn the stand-ins' nodes of a Dynamo graph back into the real op; how many."""
+    ops = (torch.ops.nexfort.trace_linear, torch.ops.nexfort.trace_linear.default)
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ops:
+            node.target = _LINEAR
+            n += 1
+    if n:
+        gm.recompile()
+    return n
