@@ -205,6 +205,8 @@ class CompiledModule(torch.nn.Module):
         #: a precompiled trace's split parts are compiled after Dynamo built its guards: the
         #: pending split (what completes it, the trace's shape environment)
         self._nx_defer_parts = False
+        #: when the trace of a saved graph started (perf_counter), until its backend is entered
+        self._nx_trace_t0 = 0.0
         self._nx_pending: tuple[Callable[[], None], Any] | None = None
         #: fp8: the module's cached fp8 weights, refreshed before every compiled call (fp8.py)
         self._nx_fp8: ModuleWeights | None = None
@@ -239,6 +241,9 @@ class CompiledModule(torch.nn.Module):
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """Dynamo's backend: compile one graph; count it only once it compiled (Dynamo may restart
         an analysis, e.g. TensorifyScalarRestartAnalysis, by raising from inside the backend)."""
+        if self._nx_trace_t0:  # Dynamo's own share of a saved graph's trace (the caller's, serial)
+            counters.set_phase(self._nx_label, "dynamo_trace", time.perf_counter() - self._nx_trace_t0)
+            self._nx_trace_t0 = 0.0
         if n := trace_ops.restore(gm):
             counters.set_info(self._nx_label, trace_stand_ins=n)
         if self._nx_group_norm and (n := group_norm.rewrite_group_norms(gm)):
@@ -630,12 +635,13 @@ class CompiledModule(torch.nn.Module):
             self._start_parts(example)
             t1 = time.perf_counter()
             self._nx_defer_parts, self._nx_pending = True, None
+            self._nx_trace_t0 = t1
             try:
                 compiled, recorder = self._aot_trace(args, kwargs, example)
                 t_traced = time.perf_counter()
                 sizes = self._finish_pending()
             finally:
-                self._nx_defer_parts, self._nx_pending = False, None
+                self._nx_defer_parts, self._nx_pending, self._nx_trace_t0 = False, None, 0.0
                 self._stop_parts()
             t2 = time.perf_counter()
             data = precompile.to_bytes(compiled, recorder, sizes=sizes)

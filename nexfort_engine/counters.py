@@ -87,7 +87,7 @@ class _Record:
     #: "here" or "child", "compile_s", "phases_s"} (split.part_profile)
     compile_parts_each: list[dict[str, Any]] = field(default_factory=list)
     #: seconds per step of the last cold compile of a precompiled graph (start_workers,
-    #: trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest worker per
+    #: dynamo_trace (until the backend has the graph), trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest worker per
     #: step, from the trace's start: children_started, children_loaded, children_ready,
     #: children_received, children_unpickled, children_compiled)
     compile_phases: dict[str, float] = field(default_factory=dict)

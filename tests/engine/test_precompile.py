@@ -267,6 +267,8 @@ def test_cold_process_saves_one_graph_and_runs_it(warm_cache):
     assert first["info"]["precompiled"] == "on" and first["info"]["precompiled_graphs"] == 1
     # the Linear was traced through its stand-in (trace_ops.py) and restored in the graph
     assert first["info"]["trace_stand_ins"] == 1
+    phases = first["info"]["compile_phases"]
+    assert 0 < phases["dynamo_trace"] <= phases["trace_and_compile"]
     assert [p.name for p in precompile.files(Path(first["artifacts"]) / precompile.DIRNAME)] == ["0.bin"]
 
 
