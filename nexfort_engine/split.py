@@ -88,10 +88,12 @@ CHILD_TIMEOUT_S = 1800.0
 CHILD_OVERHEAD_BYTES = 1 << 30
 
 
-#: auto: at most this many processes (the caller included); SD2.1 on a 16-core H200 host compiled
-#: in 69.7 s with 4, 56.3 s with 6 and 88.3 s with 8, when every worker still traced the model
-#: (more processes slowed each other's traces; not re-measured with shipped parts)
-AUTO_WORKERS = 6
+#: auto: at most this many processes (the caller included), one per two cores. With shipped parts
+#: (no worker traces the model), SDXL's cold O2 compile on a 16-core H100 host took 60.8-61.1 s
+#: with 6, 50.6-52.3 s with 8 and 55.3 s with 12 (one process per core: the parts' compile
+#: threads compete); BENCHMARKS.md, twenty-eighth session. Before the parts were shipped, when
+#: every worker traced the model, 8 had been slower than 6 (SD2.1 88.3 s against 56.3 s).
+AUTO_WORKERS = 8
 
 
 def workers(option: int | None, backend: str, example: torch.Tensor | None, flags: Sequence[str] = ()) -> int:
