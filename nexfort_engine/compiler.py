@@ -860,7 +860,9 @@ class CompiledModule(torch.nn.Module):
         lock = entry.lock() if entry is not None else contextlib.nullcontext()
         with lock:
             if entry is not None:
+                t_verify = time.perf_counter()
                 state = entry.verify(self._nx_env)
+                counters.set_phase(self._nx_label, "verify", time.perf_counter() - t_verify)
                 if state == "corrupt":
                     counters.bump(self._nx_label, "corrupt_entries")
                 log.info("nexfort: cache entry %s: %s", entry.key, state)
@@ -894,7 +896,9 @@ class CompiledModule(torch.nn.Module):
         new = self._nx_graphs - graphs0
         loaded = not new and graphs0 == 0 and bool(self._nx_aot_artifacts) and not self._nx_aot_used
         if new or loaded:  # the compile's survivors get their full collection now, not mid-sampling
-            dt += collector.settle()
+            settle = collector.settle()
+            counters.set_phase(self._nx_label, "settle", settle)
+            dt += settle
         if new:
             hit1, miss1 = _fx_counters()
             self._after_compile(new, dt, hit1 - hit0, miss1 - miss0)
@@ -960,6 +964,7 @@ class CompiledModule(torch.nn.Module):
         )
         entry = self._nx_entry
         if entry is not None and self._nx_store is not None:
+            t_commit = time.perf_counter()
             try:
                 with entry.lock():
                     meta = entry.read_meta()
@@ -975,8 +980,9 @@ class CompiledModule(torch.nn.Module):
                 log.warning("nexfort: could not persist cache entry %s (%s); the compile is kept in memory",
                             entry.key, e)
                 return
-            log.info("nexfort: cache entry %s committed (%d bytes) in %s", entry.key, size, entry.path)
             self._nx_store.evict(keep=entry.key)
+            counters.set_phase(label, "commit", time.perf_counter() - t_commit)
+            log.info("nexfort: cache entry %s committed (%d bytes) in %s", entry.key, size, entry.path)
 
     # -- background compile (background.py)
     def _start_background(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> bool:
@@ -1074,7 +1080,9 @@ class CompiledModule(torch.nn.Module):
                         before = frozenset(sys.modules)
                         if self._nx_compiled is None:
                             example = _first_tensor(args, kwargs)
+                            t_setup = time.perf_counter()
                             self._setup(example)
+                            counters.set_phase(self._nx_label, "setup", time.perf_counter() - t_setup)
                             if self._nx_config.background and self._start_background(args, kwargs, example):
                                 return self._eager(*args, **kwargs)
                         self._nx_first_pending = False

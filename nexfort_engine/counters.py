@@ -86,7 +86,10 @@ class _Record:
     #: "cost" (as the cut weighed it), "inputs", "kinds": its most frequent node targets, "where":
     #: "here" or "child", "compile_s", "phases_s"} (split.part_profile)
     compile_parts_each: list[dict[str, Any]] = field(default_factory=list)
-    #: seconds per step of the last cold compile of a precompiled graph (start_workers,
+    #: seconds per step of the first call (setup: options resolved and the cache entry located;
+    #: verify: the entry checked against its manifest; settle: the full garbage collection after a
+    #: compile or load; commit: the entry's manifest written and old entries evicted) and of the
+    #: last cold compile of a precompiled graph (start_workers,
     #: dynamo_trace (until the backend has the graph), trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest worker per
     #: step, from the trace's start: children_started, children_loaded, children_ready,
     #: children_received, children_unpickled, children_compiled)

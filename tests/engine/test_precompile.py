@@ -269,6 +269,7 @@ def test_cold_process_saves_one_graph_and_runs_it(warm_cache):
     assert first["info"]["trace_stand_ins"] == 1
     phases = first["info"]["compile_phases"]
     assert 0 < phases["dynamo_trace"] <= phases["trace_and_compile"]
+    assert {"setup", "verify", "settle", "commit"} <= set(phases)
     assert [p.name for p in precompile.files(Path(first["artifacts"]) / precompile.DIRNAME)] == ["0.bin"]
 
 

@@ -5,6 +5,8 @@ share: the backend then raises, nothing compiles).
 
     .venv/bin/python benchmarks/results/2026-11-25-cpu/trace_stand_ins.py   (MODES=off,on,off,on)
 
+``GUARDS=1``: let Dynamo finish (the graph returned as is, not compiled) and time its guards too.
+
 A measurement (BENCHMARKS.md, twenty-eighth section), not engine code.
 """
 import os
@@ -19,6 +21,7 @@ import torch  # noqa: E402
 
 tiny_models.boot()
 import comfy.supported_models  # noqa: E402
+from torch._dynamo.aot_compile_types import SerializableCallable  # noqa: E402
 
 from benchmarks import models as M  # noqa: E402
 from nexfort_engine import precompile, shapes, trace_ops  # noqa: E402
@@ -33,8 +36,33 @@ class Got(Exception):
     pass
 
 
+class Plain(SerializableCallable):
+    """The graph run as is: enough for Dynamo to finish (its guards) without compiling."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *a):
+        return self.fn(*a)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn):
+        return b""
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data):
+        raise NotImplementedError
+
+
+seen = {}
+
+
 def backend(gm, ex):
-    raise Got(time.perf_counter(), len(gm.graph.nodes), sum(1 for n in gm.graph.nodes if "trace_linear" in str(n.target)))
+    t = time.perf_counter()
+    seen.update(t=t, nodes=len(gm.graph.nodes), linears=sum(1 for n in gm.graph.nodes if "trace_linear" in str(n.target)))
+    if os.environ.get("GUARDS") != "1":
+        raise Got(t, seen["nodes"], seen["linears"])
+    return Plain(gm.forward)
 
 
 for mode in os.environ.get("MODES", "off,on,off,on").split(","):
@@ -45,7 +73,11 @@ for mode in os.environ.get("MODES", "off,on,off,on").split(","):
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), trace_ops.standing_in(mode == "on"):
-            precompile.trace(type(dm).forward, args, kwargs, backend, "self", trace_ops.originals())
+            _, rec = precompile.trace(type(dm).forward, args, kwargs, backend, "self", trace_ops.originals())
+        t2 = time.perf_counter()
+        print(f"{mode}: trace to backend {seen['t'] - t0:.1f} s, guards {t2 - seen['t']:.1f} s "
+              f"({rec.kept} kept, {len(rec.dropped)} dropped), {seen['nodes']} nodes, {seen['linears']} stand-ins",
+              flush=True)
     except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's exception
         got = e
         while got is not None and not isinstance(got, Got):
