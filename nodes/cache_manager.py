@@ -61,6 +61,14 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+#: the first call's phases the report shows (engine counters' ``compile_phases``), in call order
+_PHASES = (("setup", "setup"), ("verify", "cache check"), ("dynamo_trace", "trace"),
+           ("children_received", "parts with the workers at"), ("guards_built", "guards built at"),
+           ("children_compiled", "workers done at"), ("trace_and_compile", "trace and compile"),
+           ("load", "load"), ("first_run", "first run"), ("warm_load", "load"), ("warm_first_run", "first run"),
+           ("settle", "garbage collection"), ("commit", "cache commit"))
+
+
 def report(store: CacheStore, message: str = "") -> str:
     s = nexfort_engine.stats()
     entries = store.list()
@@ -97,10 +105,15 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", {m['rope_fused']} query/key norm + rotary embeddings fused"
         if m.get("attention_fp8"):
             how += f", {m['attention_fp8']} attentions in fp8 (cuDNN)"
+        if m.get("trace_stand_ins"):
+            how += f", {m['trace_stand_ins']} F.linear traced through a stand-in"
         if m.get("fp8_skipped") and not m.get("fp8"):
             how += f", fp8 linears left off ({m['fp8_skipped']})"
         lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "
                      f"hits={m['cache_hits']} ({how})")
+        if phases := [f"{name} {m['compile_phases'][key]:.1f}s" for key, name in _PHASES
+                      if key in (m.get("compile_phases") or {})]:  # where the first call's time went
+            lines.append("    first call: " + ", ".join(phases))
         if m.get("background"):  # "background": true - the child process compiling it, or why not
             lines.append(f"    background compile: {m['background']}")
         if m.get("compile_parts"):  # "compile_workers": the graph cut into parts compiled by children

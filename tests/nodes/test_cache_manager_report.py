@@ -61,6 +61,18 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert ("    size guards from the parts' compile: 2, checked on every call (e.g. 81920*s33*s53*s92 <= "
             "2147483647)") in cache_manager.report(CacheStore(tmp_path))
     assert nexfort_engine.stats()["models"]["UNetModel:aa"]["spatial_multiple"] == 8
+    assert "first call:" not in cache_manager.report(CacheStore(tmp_path))
+    counters.set_info("UNetModel:aa", trace_stand_ins=743)
+    for name, seconds in (("setup", 0.41), ("verify", 0.02), ("dynamo_trace", 20.06), ("children_received", 23.42),
+                          ("guards_built", 30.33), ("children_compiled", 42.02), ("trace_and_compile", 42.79),
+                          ("cut", 1.34), ("load", 2.69), ("first_run", 3.52), ("settle", 1.31), ("commit", 0.25)):
+        counters.set_phase("UNetModel:aa", name, seconds)
+    text = cache_manager.report(CacheStore(tmp_path))
+    assert ("    first call: setup 0.4s, cache check 0.0s, trace 20.1s, parts with the workers at 23.4s, guards built "
+            "at 30.3s, workers done at 42.0s, trace and compile 42.8s, load 2.7s, first run 3.5s, garbage "
+            "collection 1.3s, cache commit 0.2s") in text
+    assert "743 F.linear traced through a stand-in" in next(
+        line for line in text.splitlines() if line.strip().startswith("UNetModel:aa"))
 
 
 def test_report_shows_the_prewarm(cache_manager, tmp_path, fresh_stats, monkeypatch):
