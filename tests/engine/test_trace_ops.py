@@ -68,15 +68,15 @@ def test_eager_callers_get_the_real_op_meanwhile():
     """Another thread calling F.linear while the engine traces: the real op, autograd included."""
     x, w, b = torch.randn(3, 5, requires_grad=True), torch.randn(4, 5), torch.randn(4)
     out: dict = {}
-    with trace_ops.standing_in():
+    with torch.enable_grad(), trace_ops.standing_in():  # (an earlier test may leave grad mode off)
         t = threading.Thread(target=lambda: out.setdefault("y", F.linear(x, w, b)))
         t.start()
         t.join()
         direct = F.linear(x, w, b)
+        direct.sum().backward()
+    assert x.grad is not None
     torch.testing.assert_close(out["y"], REAL(x, w, b), rtol=0, atol=0)
     torch.testing.assert_close(direct, REAL(x, w, b), rtol=0, atol=0)
-    direct.sum().backward()
-    assert x.grad is not None
     # the op's eager implementation is the real op (its reference twin)
     torch.testing.assert_close(trace_linear_eager(x.detach(), w, b), REAL(x.detach(), w, b), rtol=0, atol=0)
 
