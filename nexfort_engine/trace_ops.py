@@ -10,10 +10,11 @@ the cache keys hash and what runs are the graphs the plain trace gives.
 Why: Dynamo propagates fake tensors through every op it traces, in the caller's process, one
 after the other, before any part of the graph can go to a compile worker. ``F.linear``'s fake
 propagation under symbolic sizes goes through ATen's decomposition (reshape, ``mm`` or ``addmm``,
-view back) with its size checks: 15 % of the trace of an SDXL-topology UNet on the CPU box (743
-calls, 6 ms each), and 25.3 / 24.8 s -> 20.7 / 20.3 s with the stand-in (BENCHMARKS.md,
-twenty-seventh section). AOTAutograd still propagates through the real op afterwards, in each
-part's compile, which the workers run in parallel.
+view back) with its size checks. On an H100 host SDXL's trace (the ``dynamo_trace`` phase) took
+18.6-20.2 s with the stand-in against 20.5-22.8 s without (three pairs, run194); on the CPU box
+the fake propagation of its 743 linears went from 3.4 to 1.4 s, with the whole trace within noise
+(BENCHMARKS.md, twenty-eighth section). AOTAutograd still propagates through the real op
+afterwards, in each part's compile, which the workers run in parallel.
 
 Why it is safe:
 - the stand-in's output has the sizes, strides, dtype and device the real op gives: an input of
@@ -23,7 +24,9 @@ Why it is safe:
   dispatch knows ``aten.linear`` and not this op), a 2-D weight, matching dtypes (else the real op raises as
   eager does), no autocast (which would change the output dtype);
 - outside a trace (another thread calling ``F.linear`` while the engine traces) it calls the real
-  op: only Dynamo sees the stand-in;
+  op: only Dynamo sees the stand-in. A Dynamo trace that another thread runs during the window
+  would see it too (its graph computes the same, its guard on ``F.linear`` fails once restored);
+  ComfyUI runs one prompt at a time, and the engine's own compiles hold one lock;
 - the saved graph's guard on ``F.linear`` is fingerprinted as the real function
   (:func:`originals`, given to ``precompile.GuardRecorder``), so the restored ``F.linear`` passes it:
   the stand-in never causes a recompile;
