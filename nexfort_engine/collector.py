@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import threading
 import time
 from typing import Iterator
+
+from .options import env_switch
 
 __all__ = ["COMPILE_THRESHOLDS", "compiling", "enabled", "settle"]
 
@@ -52,7 +53,7 @@ _saved: tuple[int, ...] | None = None
 
 def enabled() -> bool:
     """Whether :func:`compiling` changes the thresholds (``NEXFORT_COMPILE_GC``, default on)."""
-    return os.environ.get("NEXFORT_COMPILE_GC", "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_switch("NEXFORT_COMPILE_GC")
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, s
 from .cache.store import ENV_CACHE_DIR, atomic_write_bytes
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
 from .indexing import int32_size_args
-from .options import CompileConfig, parse_options
+from .options import CompileConfig, env_switch, parse_options
 from .passes import group_norm
 from .reductions import persistent_rows
 from .settings import Settings, fp16_accumulation_pays, resolve, runtime_overrides
@@ -60,16 +60,12 @@ ENV_STAND_INS = "NEXFORT_TRACE_STAND_INS"
 MAX_PRECOMPILED = 8
 
 
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def precompile_enabled() -> bool:
-    return _env_on(ENV_PRECOMPILE)
+    return env_switch(ENV_PRECOMPILE)
 
 
 def stand_ins_enabled() -> bool:
-    return _env_on(ENV_STAND_INS)
+    return env_switch(ENV_STAND_INS)
 
 
 def _exception_chain(err: BaseException) -> list[BaseException]:

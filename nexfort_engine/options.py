@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -173,6 +174,15 @@ class CompileConfig:
 
     def describe(self) -> str:
         return ":".join(self.flags) or "default"
+
+
+#: what turns an on-by-default ``NEXFORT_*`` environment switch off
+SWITCH_OFF = ("0", "false", "no", "off")
+
+
+def env_switch(name: str) -> bool:
+    """Whether the environment switch ``name`` (on unless set to one of :data:`SWITCH_OFF`) is on."""
+    return os.environ.get(name, "1").strip().lower() not in SWITCH_OFF
 
 
 def _choices(values: Any) -> str:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .cache.store import atomic_write_json
+from .options import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ _status: dict[str, Any] = {"state": "idle", "listed": 0, "imported": 0, "present
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_PREWARM, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_switch(ENV_PREWARM)
 
 
 def allowed(name: str) -> bool:
