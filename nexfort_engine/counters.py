@@ -89,9 +89,9 @@ class _Record:
     #: seconds per step of the first call (setup: options resolved and the cache entry located;
     #: verify: the entry checked against its manifest; settle: the full garbage collection after a
     #: compile or load; commit: the entry's manifest written and old entries evicted) and of the
-    #: last cold compile of a precompiled graph (start_workers,
-    #: dynamo_trace (until the backend has the graph), trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest worker per
-    #: step, from the trace's start: children_started, children_loaded, children_ready,
+    #: last cold compile of a precompiled graph (start_workers, dynamo_trace (until the backend has
+    #: the graph), trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest
+    #: worker per step, from the trace's start: children_started, children_loaded, children_ready,
     #: children_received, children_unpickled, children_compiled)
     compile_phases: dict[str, float] = field(default_factory=dict)
     updated: float = field(default_factory=time.time)

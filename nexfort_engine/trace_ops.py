@@ -26,7 +26,9 @@ Why it is safe:
 - outside a trace (another thread calling ``F.linear`` while the engine traces) it calls the real
   op: only Dynamo sees the stand-in. A Dynamo trace that another thread runs during the window
   would see it too (its graph computes the same, its guard on ``F.linear`` fails once restored);
-  ComfyUI runs one prompt at a time, and the engine's own compiles hold one lock;
+  ComfyUI runs one prompt at a time. Two engine traces may overlap (a first compile holds the
+  engine's lock, a recompile does not): :func:`standing_in` counts them and restores ``F.linear``
+  when the last one ends;
 - the saved graph's guard on ``F.linear`` is fingerprinted as the real function
   (:func:`originals`, given to ``precompile.GuardRecorder``), so the restored ``F.linear`` passes it:
   the stand-in never causes a recompile;
