@@ -1,12 +1,11 @@
-"""CPU: the cut of an SDXL-topology UNet (narrow, real depth; the engine's own trace) into 8 parts, and
-the CPU time of pickling the 7 workers' parts (ship.dumps) with the whole model's parameter sources
-in every part ("as is"), with the part's own only, and without the nodes' stack traces too.
+"""CPU: the cut of an SDXL-topology UNet (``narrow_sdxl``; the engine's own trace) into 8 parts, and
+the CPU time of pickling the 7 workers' parts (``ship.dumps``) with the whole model's parameter
+sources in every part (as before the twenty-eighth session), with the part's own only (the engine
+now), and without the nodes' stack traces too. Three rounds, interleaved in one process.
 
-    .venv/bin/python benchmarks/results/2026-11-25-cpu/ship_sources.py
+    .venv/bin/python benchmarks/results/2026-11-25-cpu/ship_sources.py   (PROF=<file>: cProfile of the first cut and ship)
 
-Needs ``ship.FILTER`` (a switch the measurement added to ship.py for the run; the engine now
-always keeps the part's own sources). A measurement (BENCHMARKS.md, twenty-eighth section, item 5),
-not engine code.
+A measurement (BENCHMARKS.md, twenty-eighth section, item 5), not engine code.
 """
 import cProfile
 import os
@@ -14,59 +13,72 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-import tiny_models  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import narrow_sdxl  # noqa: E402
 import torch  # noqa: E402
 
-tiny_models.boot()
-import comfy.supported_models  # noqa: E402
+from nexfort_engine import precompile, ship, split, trace_ops  # noqa: E402
 
-from benchmarks import models as M  # noqa: E402
-from nexfort_engine import precompile, shapes, ship, split, trace_ops  # noqa: E402
+OWN_STATE, META = ship._module_state, ship.NODE_META
 
-cfg = dict(M._SDXL, model_channels=64, context_dim=64, adm_in_channels=2816)
-mc = comfy.supported_models.SDXL(dict(cfg))
-mc.set_inference_dtype(torch.float32, None)
-dm = mc.get_model({}, "", device=torch.device("cpu")).eval().diffusion_model
 
-class Got(Exception):
+def whole_state(gm):
+    """The part's state as shipped before: the whole model's parameter sources."""
+    state = OWN_STATE(gm)
+    state["param_sources"] = getattr(gm, "_param_name_to_source", None)
+    return state
+
+
+VARIANTS = (("whole model's sources", whole_state, META),
+            ("own sources", OWN_STATE, META),
+            ("own sources, no stack traces", OWN_STATE, tuple(k for k in META if k != "stack_trace")))
+
+
+class Done(Exception):
     pass
+
+
+def dumps(part):
+    return ship.dumps((part.index, part.fingerprint(), part.single, part.module, part.inputs))
+
 
 def backend(gm, ex):
     trace_ops.restore(gm)
     prof = cProfile.Profile() if os.environ.get("PROF") else None
-    t0 = time.perf_counter()
     if prof:
         prof.enable()
+    t0 = time.perf_counter()
     cut = split.split(gm, 8)
     t1 = time.perf_counter()
-    for _ in range(3):
-        for name, filt, meta in (("as is", False, ("example_value", "val", "tensor_dict", "stack_trace")),
-                                 ("own sources", True, ("example_value", "val", "tensor_dict", "stack_trace")),
-                                 ("own sources, no stack", True, ("example_value", "val", "tensor_dict"))):
-            ship.FILTER, ship.NODE_META = filt, meta
-            c0 = time.process_time()
-            sizes = [len(ship.dumps((part.index, part.fingerprint(), part.single, part.module, part.inputs)))
-                     for part in cut.parts[1:]]
-            c1 = time.process_time()
-            c2 = time.process_time()
-            for part in cut.parts[1:2]:
-                ship.loads(ship.dumps((part.index, part.fingerprint(), part.single, part.module, part.inputs)))
-            c3 = time.process_time()
-            print(f"{name}: dumps cpu {c1-c0:.2f}s total {sum(sizes)/1e6:.1f} MB; part 1 dumps+loads {c3-c2:.2f}s", flush=True)
+    sizes = [len(dumps(part)) for part in cut.parts[1:]]
     t2 = time.perf_counter()
     if prof:
         prof.disable()
-        prof.dump_stats("/tmp/p/cutship.prof")
-    print(f"cut {t1-t0:.2f}s ship {t2-t1:.2f}s sizes {sizes}", flush=True)
-    raise Got()
+        prof.dump_stats(os.environ["PROF"])
+    print(f"cut {t1 - t0:.2f}s ship {t2 - t1:.2f}s sizes {sizes}", flush=True)
+    try:
+        for _ in range(3):
+            for name, state, meta in VARIANTS:
+                ship._module_state, ship.NODE_META = state, meta
+                c0 = time.process_time()
+                sizes = [len(dumps(part)) for part in cut.parts[1:]]
+                c1 = time.process_time()
+                ship.loads(dumps(cut.parts[1]))
+                c2 = time.process_time()
+                print(f"{name}: dumps cpu {c1 - c0:.2f}s total {sum(sizes) / 1e6:.1f} MB; "
+                      f"part 1 dumps+loads {c2 - c1:.2f}s", flush=True)
+    finally:
+        ship._module_state, ship.NODE_META = OWN_STATE, META
+    raise Done()
 
-args = (dm, torch.randn(2, 4, 16, 16), torch.rand(2) * 999, torch.randn(2, 77, 64))
-kwargs = {"y": torch.randn(2, 2816), "transformer_options": {}}
-shapes.mark_dynamic_dims(args[1:], kwargs)
+
+dm = narrow_sdxl.unet()
+args, kwargs = narrow_sdxl.call(dm)
 try:
     with torch.no_grad(), trace_ops.standing_in():
         precompile.trace(type(dm).forward, args, kwargs, backend, "self", trace_ops.originals())
-except Exception:
-    pass
+except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's exception
+    while e is not None and not isinstance(e, Done):
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    if e is None:
+        raise

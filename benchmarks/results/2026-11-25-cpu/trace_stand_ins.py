@@ -14,22 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-import tiny_models  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import narrow_sdxl  # noqa: E402
 import torch  # noqa: E402
-
-tiny_models.boot()
-import comfy.supported_models  # noqa: E402
 from torch._dynamo.aot_compile_types import SerializableCallable  # noqa: E402
 
-from benchmarks import models as M  # noqa: E402
-from nexfort_engine import precompile, shapes, trace_ops  # noqa: E402
+from nexfort_engine import precompile, trace_ops  # noqa: E402
 
-cfg = dict(M._SDXL, model_channels=64, context_dim=64, adm_in_channels=2816)
-mc = comfy.supported_models.SDXL(dict(cfg))
-mc.set_inference_dtype(torch.float32, None)
-dm = mc.get_model({}, "", device=torch.device("cpu")).eval().diffusion_model
+dm = narrow_sdxl.unet()
 
 
 class Got(Exception):
@@ -67,9 +59,7 @@ def backend(gm, ex):
 
 for mode in os.environ.get("MODES", "off,on,off,on").split(","):
     torch._dynamo.reset()
-    args = (dm, torch.randn(2, 4, 16, 16), torch.rand(2) * 999, torch.randn(2, 77, 64))
-    kwargs = {"y": torch.randn(2, 2816), "transformer_options": {}}
-    shapes.mark_dynamic_dims(args[1:], kwargs)
+    args, kwargs = narrow_sdxl.call(dm)
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), trace_ops.standing_in(mode == "on"):
