@@ -146,6 +146,9 @@ def nexfort_counts() -> dict[str, Any]:
                           for k, m in s.get("models", {}).items() if m.get("compile_parts")},
         # seconds per step of each model's last cold compile of a precompiled graph
         "compile_phases": {k: m["compile_phases"] for k, m in s.get("models", {}).items() if m.get("compile_phases")},
+        # what ran a cold compile's first call: "as compiled" or "loaded back" (the saved file)
+        "precompiled_first_call": {k: m["precompiled_first_call"] for k, m in s.get("models", {}).items()
+                                   if m.get("precompiled_first_call")},
         # what the graph passes rewrote, over all compiled models (fp8 attention: run106 on)
         "rewrites": {k: sum(int(m.get(k, 0)) for m in s.get("models", {}).values())
                      for k in ("fp8_quant_fused", "rope_fused", "attention_fp8", "group_norms_rewritten")},

@@ -55,6 +55,9 @@ _compile_lock = threading.RLock()
 ENV_PRECOMPILE = "NEXFORT_PRECOMPILE"
 #: ``NEXFORT_TRACE_STAND_INS=0``: trace ``F.linear`` as itself (trace_ops.py), for A/B measurements
 ENV_STAND_INS = "NEXFORT_TRACE_STAND_INS"
+#: ``NEXFORT_RUN_AS_COMPILED=0``: a cold compile's first call loads the graph it saved back, as a
+#: later process does, instead of running the one it holds (for A/B measurements)
+ENV_RUN_AS_COMPILED = "NEXFORT_RUN_AS_COMPILED"
 #: ahead-of-time graphs per compiled module (one per guard set: batch 1 and 2, another patch,
 #: a size Dynamo specialised); past it the module compiles through ``torch.compile``
 MAX_PRECOMPILED = 8
@@ -66,6 +69,10 @@ def precompile_enabled() -> bool:
 
 def stand_ins_enabled() -> bool:
     return env_switch(ENV_STAND_INS)
+
+
+def run_as_compiled() -> bool:
+    return env_switch(ENV_RUN_AS_COMPILED)
 
 
 def _exception_chain(err: BaseException) -> list[BaseException]:
@@ -198,6 +205,8 @@ class CompiledModule(torch.nn.Module):
         self._nx_part_jobs: dict[int, background.Job] = {}
         #: when the workers of the last split compile started (time.time): their phases count from it
         self._nx_parts_t0 = 0.0
+        #: seconds the last split spent loading its parts as they came in (_finish_split)
+        self._nx_preload_s = 0.0
         #: a precompiled trace's split parts are compiled after Dynamo built its guards: the
         #: pending split (what completes it, the trace's shape environment)
         self._nx_defer_parts = False
@@ -314,10 +323,17 @@ class CompiledModule(torch.nn.Module):
         counters.set_phase(label, "ship", t_ship)
         compiled = split.SplitCallable(cut.plan, [])
 
-        def finish() -> None:
-            compiled.parts = self._finish_split(cut, jobs, sent, here, shape_env)
+        deferred = self._nx_defer_parts and self._nx_pending is None
+        load = deferred and run_as_compiled()
 
-        if self._nx_defer_parts and self._nx_pending is None:
+        def finish() -> None:
+            # loaded here only outside Dynamo's trace (deferred): the saved graph's first call
+            # then runs them as they are (_aot_compile)
+            compiled.parts, fns = self._finish_split(cut, jobs, sent, here, shape_env, load=load)
+            if load and all(fn is not None for fn in fns):
+                compiled._fns = fns
+
+        if deferred:
             # the caller's own part and the children's are collected after Dynamo has built the
             # trace's guards (seconds of one core: SDXL's 8.9 s on an H100 host), see _aot_compile;
             # a second graph of one trace (none in a full-graph trace) would be compiled at once
@@ -326,13 +342,30 @@ class CompiledModule(torch.nn.Module):
             finish()
         return compiled
 
+    def _load_part(self, index: int, blob: bytes, loaded: list[Callable[..., Any] | None], load: bool) -> None:
+        """Load a part's compiled function while later parts are still compiling, so that the
+        first call does not reload what this process just compiled (:meth:`_aot_compile`). A part
+        that does not load here is loaded with the saved graph instead."""
+        if not load:
+            return
+        t0 = time.perf_counter()
+        try:
+            loaded[index] = split.load_compiled(blob, self._inductor_patches())
+        except Exception as e:  # noqa: BLE001 - the saved graph's own load decides what fails
+            log.info("nexfort: %s: part %d not loaded ahead (%s: %s)", self._nx_label, index, type(e).__name__, e)
+        self._nx_preload_s += time.perf_counter() - t0
+
     def _finish_split(self, cut: split.Split, jobs: dict[int, background.Job], sent: dict[int, str],
-                      here: list[str], shape_env: Any) -> list[bytes]:
-        """Compile the parts no child was given here, then collect the children's (or compile here
-        those a child did not deliver): the parts' compiled bytes in order."""
+                      here: list[str], shape_env: Any, load: bool = False,
+                      ) -> tuple[list[bytes], list[Callable[..., Any] | None]]:
+        """Compile the parts no child was given here, then collect the children's as they finish
+        (or compile here those a child did not deliver): the parts' compiled bytes in order, and
+        with ``load``, their functions, each loaded as it came in (``None`` where one was not)."""
         label, count = self._nx_label, len(cut.parts)
         blobs: list[bytes | None] = [None] * count
+        loaded: list[Callable[..., Any] | None] = [None] * count
         each: dict[int, dict[str, Any]] = {part.index: {} for part in cut.parts}
+        self._nx_preload_s = 0.0
         t0 = time.perf_counter()
         for part in cut.parts:
             if part.index not in jobs:
@@ -341,23 +374,44 @@ class CompiledModule(torch.nn.Module):
                 each[part.index].update(where="here", compile_s=round(time.perf_counter() - t_part, 3),
                                         phases_s=split.top_phases(_phases_since(before)))
         own_s = time.perf_counter() - t0
+        for part in cut.parts:  # while the children compile
+            if (blob := blobs[part.index]) is not None:
+                self._load_part(part.index, blob, loaded, load)
         from_children, delivered = 0, []
-        for index, job in sorted(jobs.items()):
-            part = cut.parts[index]
-            got, why = self._collect_part(job, part.index, sent[index], shape_env, delivered)
-            if got is None:
-                here.append(f"part {index} compiled here: {why}")
-                log.warning("nexfort: %s: part %d of %d compiled here (%s)", label, index, count, why)
-                t_part = time.perf_counter()
-                got = split.compile_part(part, self._compile_graph)
-                each[index].update(where="here", compile_s=round(time.perf_counter() - t_part, 3))
-            else:
-                from_children += 1
-            blobs[index] = got
+        deadline = time.monotonic() + split.CHILD_TIMEOUT_S
+        waiting = dict(jobs)
+        while waiting:
+            # the report comes before the child's exit, which tears down CUDA and its compile pool
+            # (seconds); the parent stops it once it has what it needs
+            ready = [i for i, job in sorted(waiting.items())
+                     if (job.path / background.RESULT_FILE).exists() or job.done()]
+            if not ready and time.monotonic() <= deadline:
+                time.sleep(0.02)
+                continue
+            for index in ready or sorted(waiting):
+                job = waiting.pop(index)
+                part = cut.parts[index]
+                if ready:
+                    got, why = self._collect_part(job, part.index, sent[index], shape_env, delivered)
+                else:
+                    job.cancel()
+                    got, why = None, f"its child took more than {split.CHILD_TIMEOUT_S:.0f}s"
+                if got is None:
+                    here.append(f"part {index} compiled here: {why}")
+                    log.warning("nexfort: %s: part %d of %d compiled here (%s)", label, index, count, why)
+                    t_part = time.perf_counter()
+                    got = split.compile_part(part, self._compile_graph)
+                    each[index].update(where="here", compile_s=round(time.perf_counter() - t_part, 3))
+                else:
+                    from_children += 1
+                blobs[index] = got
+                self._load_part(index, got, loaded, load)
         for name in ("started", "loaded", "ready", "received", "unpickled", "compiled"):  # the slowest worker's
             times = [d["times"][name] - self._nx_parts_t0 for d in delivered if name in d["times"]]
             if times:
                 counters.set_phase(label, f"children_{name}", max(times))
+        if load:
+            counters.set_phase(label, "parts_loaded", self._nx_preload_s)
         if slowest := split.slowest_child(delivered):
             counters.set_info(label, compile_parts_slowest_child=slowest)
         for d in delivered:
@@ -370,19 +424,11 @@ class CompiledModule(torch.nn.Module):
                                                           *here]),
                           compile_parts_own_seconds=round(own_s, 3),
                           compile_parts_wait_seconds=round(time.perf_counter() - t0 - own_s, 3))
-        return [b for b in blobs if b is not None]
+        return [b for b in blobs if b is not None], loaded
 
     def _collect_part(self, job: background.Job, index: int, fingerprint: str, shape_env: Any,
                       delivered: list[dict[str, Any]]) -> tuple[bytes | None, str]:
-        """Wait for a child's part; its compiled bytes once it is the part shipped and its guards hold here."""
-        deadline = time.monotonic() + split.CHILD_TIMEOUT_S
-        # the report comes before the child's exit, which tears down CUDA and its compile pool
-        # (seconds); the parent stops it once it has what it needs
-        while not (job.path / background.RESULT_FILE).exists() and not job.done():
-            if time.monotonic() > deadline:
-                job.cancel()
-                return None, f"its child took more than {split.CHILD_TIMEOUT_S:.0f}s"
-            time.sleep(0.02)
+        """A finished child's part: its compiled bytes once it is the part shipped and its guards hold here."""
         report = job.report()
         if report.get("crashed") or report.get("error"):
             return None, str(report.get("crashed") or report.get("error"))
@@ -643,7 +689,14 @@ class CompiledModule(torch.nn.Module):
             data = precompile.to_bytes(compiled, recorder, sizes=sizes)
             atomic_write_bytes(path, data)
             t3 = time.perf_counter()
-            artifact = precompile.from_bytes(data, target.__globals__, self._inductor_patches())
+            if run_as_compiled() and precompile.runnable(compiled):
+                # this process runs what it compiled: the guards Dynamo built while tracing and the
+                # parts loaded as they came in; the file is what a later process loads
+                artifact = precompile.live(compiled, recorder, target.__globals__, sizes)
+                counters.set_info(label, precompiled_first_call="as compiled")
+            else:
+                artifact = precompile.from_bytes(data, target.__globals__, self._inductor_patches())
+                counters.set_info(label, precompiled_first_call="loaded back")
             t4 = time.perf_counter()
             for name, dt in (("start_workers", t1 - t0), ("trace_and_compile", t2 - t1), ("save", t3 - t2),
                              ("load", t4 - t3), ("guards_built", t_traced - t1)):

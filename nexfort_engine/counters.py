@@ -65,6 +65,9 @@ class _Record:
     precompiled_graphs: int = 0
     precompiled_stale: str = ""
     precompiled_guards_dropped: int = 0
+    #: what ran the last cold compile's first call: "as compiled" (the graph and guards this
+    #: process had just made; its parts loaded as they came in) or "loaded back" (the saved file)
+    precompiled_first_call: str = ""
     #: size guards a split graph's parts took after Dynamo built the trace's guards (checked by
     #: the engine, as Python expressions over the input sizes)
     precompiled_late_size_guards: list[str] = field(default_factory=list)
@@ -90,7 +93,8 @@ class _Record:
     #: verify: the entry checked against its manifest; settle: the full garbage collection after a
     #: compile or load; commit: the entry's manifest written and old entries evicted) and of the
     #: last cold compile of a precompiled graph (start_workers, dynamo_trace (until the backend has
-    #: the graph), trace_and_compile, cut, ship, save, load, first_run; a split compile's slowest
+    #: the graph), trace_and_compile, cut, ship, save, load, first_run, parts_loaded (a split
+    #: compile's parts loaded by the caller as they came in, during its wait); a split compile's slowest
     #: worker per step, from the trace's start: children_started, children_loaded, children_ready,
     #: children_received, children_unpickled, children_compiled)
     compile_phases: dict[str, float] = field(default_factory=dict)
@@ -120,6 +124,7 @@ class _Record:
             precompiled_graphs=self.precompiled_graphs,
             precompiled_stale=self.precompiled_stale,
             precompiled_guards_dropped=self.precompiled_guards_dropped,
+            precompiled_first_call=self.precompiled_first_call,
             precompiled_late_size_guards=list(self.precompiled_late_size_guards),
             trace_stand_ins=self.trace_stand_ins,
             background=self.background,

@@ -605,6 +605,26 @@ def from_bytes(
                     size_guards=sizes)
 
 
+def runnable(compiled: Any) -> bool:
+    """Whether a just-traced function (:func:`trace`'s) runs as it is: its compiled graph is
+    loaded (a split graph's parts are bytes until loaded, ``split.SplitCallable.runnable``)."""
+    fn = compiled._artifacts.compiled_fn
+    return getattr(type(fn), "runnable", None) is None or bool(fn.runnable)
+
+
+def live(compiled: Any, recorder: GuardRecorder, root_globals: dict[str, Any],
+         sizes: Sequence[SizeGuard] = ()) -> Artifact:
+    """The artifact of a function this process just traced and compiled (:func:`trace`), used as it
+    is: what :func:`from_bytes` would make of its :func:`to_bytes`, without loading it back (the
+    guards Dynamo built while tracing, the compiled graph in memory). Only for a
+    :func:`runnable` one."""
+    if not runnable(compiled):
+        raise ValueError("the compiled graph is not loaded")
+    namespace = _Globals(root_globals, compiled.fn.__globals__)
+    return Artifact(compiled, list(recorder.dropped), _source_hashes(compiled), namespace,
+                    self_name=recorder.self_name, size_guards=list(sizes))
+
+
 def files(directory: Path) -> list[Path]:
     """The artifacts saved under ``directory``, oldest first."""
     if not directory.is_dir():

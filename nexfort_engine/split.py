@@ -40,6 +40,7 @@ Twin: the whole graph compiled at once (``"compile_workers": 1``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
@@ -600,6 +601,22 @@ def load_part(blob: bytes) -> dict[str, Any]:
 # -- the compiled function of a split graph ----------------------------------------------------
 
 
+def load_compiled(blob: bytes, inductor_config: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """One part's compiled function from its bytes (:func:`compile_part`'s output), loaded as
+    torch loads a saved graph's compiled function (``AOTCompiledFunction.deserialize``).
+    ``inductor_config``: the patches the part was compiled with, where the caller loads outside
+    them (CUDA graphs are decided at load)."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+    from torch._inductor import config as inductor_config_module
+
+    with contextlib.ExitStack() as stack:
+        if hasattr(inductor_config_module, "enable_autograd_for_aot"):
+            stack.enter_context(inductor_config_module.patch(enable_autograd_for_aot=True))
+        if inductor_config:
+            stack.enter_context(inductor_config_module.patch(inductor_config))
+        return BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(blob)
+
+
 def _make_split_callable() -> type:
     """The :class:`SplitCallable` class. It subclasses torch's ``SerializableCallable``, whose module
     imports Dynamo, Inductor and Triton: made at first use (``split.SplitCallable``, by this
@@ -621,20 +638,24 @@ def _make_split_callable() -> type:
 
         @classmethod
         def deserialize_compile_artifacts(cls, data: bytes) -> Any:
-            from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
-
             state = pickle.loads(data)  # noqa: S301 - our own artifact (precompile checks its envelope)
             fns = []
             LOAD_SECONDS.clear()
             for blob in state["parts"]:
                 t0 = time.perf_counter()
-                fns.append(BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts(blob))
+                fns.append(load_compiled(blob))
                 LOAD_SECONDS.append(round(time.perf_counter() - t0, 3))
             return cls(state["plan"], state["parts"], fns)
 
+        @property
+        def runnable(self) -> bool:
+            """Whether every part is loaded: by :meth:`deserialize_compile_artifacts`, or in the
+            compiling process as each part came in (:func:`load_compiled`, the compiler's wait)."""
+            return self._fns is not None
+
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             if self._fns is None:
-                raise RuntimeError("a split graph runs once loaded (SplitCallable.deserialize_compile_artifacts)")
+                raise RuntimeError("a split graph runs once its parts are loaded")
             return self.plan.run(self._fns, args)
 
     SplitCallable.__module__, SplitCallable.__qualname__ = __name__, "SplitCallable"

@@ -64,7 +64,8 @@ def _human(n: float) -> str:
 #: the first call's phases the report shows (engine counters' ``compile_phases``), in call order
 _PHASES = (("setup", "setup"), ("verify", "cache check"), ("dynamo_trace", "trace"),
            ("children_received", "parts with the workers at"), ("guards_built", "guards built at"),
-           ("children_compiled", "workers done at"), ("trace_and_compile", "trace and compile"),
+           ("children_compiled", "workers done at"), ("parts_loaded", "parts loaded while waiting"),
+           ("trace_and_compile", "trace and compile"),
            ("load", "load"), ("first_run", "first run"), ("warm_load", "load"), ("warm_first_run", "first run"),
            ("settle", "garbage collection"), ("commit", "cache commit"))
 

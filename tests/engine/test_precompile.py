@@ -265,6 +265,9 @@ def test_cold_process_saves_one_graph_and_runs_it(warm_cache):
     _, first = warm_cache
     assert first["compiles"] == 1 and first["cache_misses"] == 1 and first["fallbacks"] == 0
     assert first["info"]["precompiled"] == "on" and first["info"]["precompiled_graphs"] == 1
+    # the first call ran the graph this process compiled, not the file loaded back (that is the
+    # next test's restart, and test_stale_graph_is_removed_and_traced_again's NEXFORT_RUN_AS_COMPILED=0)
+    assert first["info"]["precompiled_first_call"] == "as compiled"
     # the Linear was traced through its stand-in (trace_ops.py) and restored in the graph
     assert first["info"]["trace_stand_ins"] == 1
     phases = first["info"]["compile_phases"]
@@ -318,8 +321,10 @@ def test_stale_graph_is_removed_and_traced_again(child, tmp_path):
     entry = CacheStore(cache).entry(first["entry"])
     with entry.lock():  # a consistent entry (the manifest matches): only the graph is stale
         entry.commit(environment_fingerprint("cpu"))
-    again = _run(child, cache, "plain", tmp_path)
+    # traced again, and this time the first call loads the new file back, as a later process does
+    again = _run(child, cache, "plain", tmp_path, NEXFORT_RUN_AS_COMPILED="0")
     assert again["compiles"] == 1 and again["fallbacks"] == 0 and again["corrupt_entries"] == 0, again
+    assert again["info"]["precompiled_first_call"] == "loaded back"
     assert "saved by torch 0.0-other" in again["info"]["precompiled_stale"]
     assert pickle.loads(path.read_bytes())["torch"] == torch.__version__
     with entry.lock():

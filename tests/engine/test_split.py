@@ -327,7 +327,9 @@ def test_parts_compile_in_children_and_a_restart_loads_them(small_parts, tmp_pat
                for d in each), each
     phases = rec["compile_phases"]
     assert {"trace_and_compile", "cut", "ship", "children_received", "children_compiled", "load",
-            "first_run"} <= set(phases), phases
+            "first_run", "parts_loaded"} <= set(phases), phases
+    # each part was loaded as it came in, and the first call ran them (no reload of the saved graph)
+    assert rec["precompiled_first_call"] == "as compiled"
     # Inductor's CPU kernels against eager, both float32, one process
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     # a restart (a new wrapper, Dynamo reset): the saved split graph loads, nothing compiles
@@ -378,6 +380,7 @@ def test_parts_that_cannot_ship_or_are_not_delivered_are_compiled_here(small_par
     assert "part 1 compiled here: it cannot be shipped (TypeError: cannot pickle this" in parts, parts
     assert "part 2 compiled here: exit code" in parts, parts
     assert [d.get("where") for d in rec["compile_parts_each"]] == ["here"] * 3, rec["compile_parts_each"]
+    assert rec["precompiled_first_call"] == "as compiled"
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
