@@ -21,7 +21,9 @@ in :data:`NODE_META`): ``GraphPickler`` pickles only targets under ``torch``/``o
 and the engine's graph passes put functions of their own into the graph (pickled here by
 reference: module and qualified name, imported by the worker). A fake tensor that is a view keeps
 its base; the base's fake mode is dropped before pickling (torch 2.11-2.14 keep it there, and a
-fake mode does not pickle) and set again on loading, which ``GraphPickler`` already does.
+fake mode does not pickle) and set again on loading, which ``GraphPickler`` already does. The
+fake values in the metadata of the graph's computing nodes travel as plain tensors of the same
+layout, not as views (:func:`_flat_values`).
 
 Safety: what cannot be pickled raises :class:`ShipError`, and the caller compiles that part
 itself. The worker's compiled part comes back with the index and fingerprint it was sent, and its
@@ -146,24 +148,42 @@ def _rebuild_module(state: dict[str, Any]) -> fx.GraphModule:
 
 
 class _Tensor(_TensorPickleData):
-    """GraphPickler's fake tensor, with a view's base pickled without its fake mode."""
+    """GraphPickler's fake tensor, with a view's base pickled without its fake mode; with ``flat``,
+    a view is pickled as a tensor of its own (the same sizes, strides, storage offset and dtype)."""
 
-    def __init__(self, describer: Any, t: torch.Tensor) -> None:
+    def __init__(self, describer: Any, t: torch.Tensor, flat: bool = False) -> None:
         super().__init__(describer, t)
         m = self.metadata
-        if m.base is not None and getattr(m.base, "fake_mode", None) is not None:
+        if flat and m.is_view:
+            self.metadata = dataclasses.replace(m, is_view=False, base=None, view_func=None)
+        elif m.base is not None and getattr(m.base, "fake_mode", None) is not None:
             self.metadata = dataclasses.replace(m, base=dataclasses.replace(m.base, fake_mode=None))
+
+
+def _flat_values(gm: fx.GraphModule) -> set[int]:
+    """The fake values in the metadata of ``gm``'s computing nodes that need not stay views: the
+    worker's compile reads their sizes (Inductor's pre-grad passes), AOTAutograd traces the graph
+    again from its inputs, whose aliasing is what counts (they keep their bases). Rebuilding a view
+    re-runs ``as_strided`` under the fake mode, with symbolic sizes: a third of a part's loading
+    on the CPU box, and of its pickling."""
+    inputs = {id(v) for n in gm.graph.nodes if n.op == "placeholder" for k in NODE_META
+              if isinstance(v := n.meta.get(k), FakeTensor)}
+    return {id(v) for n in gm.graph.nodes if n.op != "placeholder" for k in NODE_META
+            if isinstance(v := n.meta.get(k), FakeTensor) and id(v) not in inputs}
 
 
 class _PartPickler(GraphPickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, Options(ops_filter=None))
+        self._flat: set[int] = set()
 
     def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, fx.GraphModule):
+            self._flat |= _flat_values(obj)  # pickled with the state, after this
             return _rebuild_module, (_module_state(obj),)
         if isinstance(obj, FakeTensor):
-            return _Tensor.unpickle, (_Tensor(self._meta_tensor_describer, obj), self._unpickle_state)
+            data = _Tensor(self._meta_tensor_describer, obj, flat=id(obj) in self._flat)
+            return _Tensor.unpickle, (data, self._unpickle_state)
         return super().reducer_override(obj)
 
 

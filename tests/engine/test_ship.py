@@ -116,6 +116,7 @@ def test_views_and_constants_cross_intact(small_parts, clean_dynamo):
     assert cut is not None
     viewed = [v for p in cut.parts for v in p.inputs if isinstance(v, torch.Tensor) and v._is_view()]
     assert viewed, "the chunk's second half should cross a cut as a view"
+    views = 0
     for part in cut.parts:
         copy, _env = _round_trip(part)
         assert copy.fingerprint() == part.fingerprint()
@@ -123,6 +124,17 @@ def test_views_and_constants_cross_intact(small_parts, clean_dynamo):
             if isinstance(a, torch.Tensor):
                 assert b._is_view() == a._is_view()
                 assert str(b.storage_offset()) == str(a.storage_offset())
+        # the computing nodes' fake values travel as plain tensors of the same layout (cheaper to
+        # rebuild than views; the inputs above keep their bases)
+        for a, b in zip(part.module.graph.nodes, copy.module.graph.nodes):
+            va, vb = a.meta.get("example_value"), b.meta.get("example_value")
+            if a.op == "placeholder" or not isinstance(va, torch.Tensor):
+                continue
+            views += va._is_view()
+            assert not vb._is_view(), b
+            assert (str(vb.shape), str(vb.stride()), str(vb.storage_offset()), vb.dtype) == \
+                (str(va.shape), str(va.stride()), str(va.storage_offset()), va.dtype), b
+    assert views, "the chunk's halves are views in the nodes' metadata"
     bounds = [b for n in gm.graph.nodes for a in _flat(n.args) if isinstance(a, slice)
               for b in (a.start, a.stop, a.step) if isinstance(b, torch.fx.Node)]
     assert bounds, "the last slice's bound should be a node of the graph"
