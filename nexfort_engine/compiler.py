@@ -664,7 +664,7 @@ class CompiledModule(torch.nn.Module):
         return self._call_traced(args, kwargs)
 
     def _aot_compile(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> precompile.Artifact | None:
-        """Trace ``(args, kwargs)`` into one saved graph and load it back (``None``: the model
+        """Trace ``(args, kwargs)`` into one saved graph and return it ready to call (``None``: the model
         cannot be traced so; noted in the entry, and torch.compile is used)."""
         target = self._aot_target(example)
         graphs0 = self._nx_graphs

@@ -6,7 +6,10 @@ sixteenth session). Here the first compile traces with torch's
 ``torch._dynamo.aot_compile.aot_compile_fullgraph`` instead, and the result — the transformed
 bytecode, its guards and the bundled AOTAutograd/Inductor output — is saved as one file in the
 cache entry (:func:`save`). A restarted process loads it (:func:`load`) and calls it; nothing is
-traced. The cold process loads its own file back too, so both run exactly what was saved.
+traced. The cold process runs what it has just compiled (:func:`live`: the guards Dynamo built
+while tracing, the compiled graph in memory) and only writes the file: loading it back cost SDXL
+2.9-3.2 s on an H200 (BENCHMARKS.md, twenty-ninth session). ``NEXFORT_RUN_AS_COMPILED=0`` loads it
+back in the cold process too (the compiler's switch); the restart tests load it in a new process.
 
 Guards. torch serialises most of a trace's guards (tensor dtypes/devices/sizes, the shape
 environment's relations between dynamic sizes, constants and dict keys read from the inputs and

@@ -625,7 +625,8 @@ def _make_split_callable() -> type:
 
     class SplitCallable(SerializableCallable):  # type: ignore[misc,valid-type]
         """The parts' compiled functions run by a :class:`Plan`; saved as the plan plus each part's
-        bytes. Built from bytes in the compiling process too: ``precompile`` reloads what it saved."""
+        bytes. The compiling process loads each part as it comes in (the compiler's wait for the
+        workers) and runs them as they are; another process loads them from the saved bytes."""
 
         def __init__(self, plan: Plan, parts: list[bytes], fns: list[Callable[..., Any]] | None = None) -> None:
             self.plan = plan
