@@ -205,8 +205,6 @@ class CompiledModule(torch.nn.Module):
         self._nx_part_jobs: dict[int, background.Job] = {}
         #: when the workers of the last split compile started (time.time): their phases count from it
         self._nx_parts_t0 = 0.0
-        #: seconds the last split spent loading its parts as they came in (_finish_split)
-        self._nx_preload_s = 0.0
         #: a precompiled trace's split parts are compiled after Dynamo built its guards: the
         #: pending split (what completes it, the trace's shape environment)
         self._nx_defer_parts = False
@@ -342,19 +340,6 @@ class CompiledModule(torch.nn.Module):
             finish()
         return compiled
 
-    def _load_part(self, index: int, blob: bytes, loaded: list[Callable[..., Any] | None], load: bool) -> None:
-        """Load a part's compiled function while later parts are still compiling, so that the
-        first call does not reload what this process just compiled (:meth:`_aot_compile`). A part
-        that does not load here is loaded with the saved graph instead."""
-        if not load:
-            return
-        t0 = time.perf_counter()
-        try:
-            loaded[index] = split.load_compiled(blob, self._inductor_patches())
-        except Exception as e:  # noqa: BLE001 - the saved graph's own load decides what fails
-            log.info("nexfort: %s: part %d not loaded ahead (%s: %s)", self._nx_label, index, type(e).__name__, e)
-        self._nx_preload_s += time.perf_counter() - t0
-
     def _finish_split(self, cut: split.Split, jobs: dict[int, background.Job], sent: dict[int, str],
                       here: list[str], shape_env: Any, load: bool = False,
                       ) -> tuple[list[bytes], list[Callable[..., Any] | None]]:
@@ -365,7 +350,21 @@ class CompiledModule(torch.nn.Module):
         blobs: list[bytes | None] = [None] * count
         loaded: list[Callable[..., Any] | None] = [None] * count
         each: dict[int, dict[str, Any]] = {part.index: {} for part in cut.parts}
-        self._nx_preload_s = 0.0
+        patches, load_s = self._inductor_patches(), 0.0
+
+        def load_ahead(index: int, blob: bytes) -> None:
+            # while later parts still compile, so that the first call does not reload what this
+            # process just compiled (_aot_compile); a part that fails here loads with the saved graph
+            nonlocal load_s
+            if not load:
+                return
+            t_load = time.perf_counter()
+            try:
+                loaded[index] = split.load_compiled(blob, patches)
+            except Exception as e:  # noqa: BLE001 - the saved graph's own load decides what fails
+                log.info("nexfort: %s: part %d not loaded ahead (%s: %s)", label, index, type(e).__name__, e)
+            load_s += time.perf_counter() - t_load
+
         t0 = time.perf_counter()
         for part in cut.parts:
             if part.index not in jobs:
@@ -376,7 +375,7 @@ class CompiledModule(torch.nn.Module):
         own_s = time.perf_counter() - t0
         for part in cut.parts:  # while the children compile
             if (blob := blobs[part.index]) is not None:
-                self._load_part(part.index, blob, loaded, load)
+                load_ahead(part.index, blob)
         from_children, delivered = 0, []
         deadline = time.monotonic() + split.CHILD_TIMEOUT_S
         waiting = dict(jobs)
@@ -405,13 +404,13 @@ class CompiledModule(torch.nn.Module):
                 else:
                     from_children += 1
                 blobs[index] = got
-                self._load_part(index, got, loaded, load)
+                load_ahead(index, got)
         for name in ("started", "loaded", "ready", "received", "unpickled", "compiled"):  # the slowest worker's
             times = [d["times"][name] - self._nx_parts_t0 for d in delivered if name in d["times"]]
             if times:
                 counters.set_phase(label, f"children_{name}", max(times))
         if load:
-            counters.set_phase(label, "parts_loaded", self._nx_preload_s)
+            counters.set_phase(label, "parts_loaded", load_s)
         if slowest := split.slowest_child(delivered):
             counters.set_info(label, compile_parts_slowest_child=slowest)
         for d in delivered:
