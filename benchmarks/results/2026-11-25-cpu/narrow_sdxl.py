@@ -13,7 +13,7 @@ tiny_models.boot()
 import comfy.supported_models  # noqa: E402
 
 from benchmarks import models as M  # noqa: E402
-from nexfort_engine import shapes  # noqa: E402
+from nexfort_engine import precompile, shapes, trace_ops  # noqa: E402
 
 
 def unet() -> torch.nn.Module:
@@ -29,3 +29,22 @@ def call(dm: torch.nn.Module) -> tuple[tuple, dict]:
     kwargs = {"y": torch.randn(2, 2816), "transformer_options": {}}
     shapes.mark_dynamic_dims(args[1:], kwargs)
     return args, kwargs
+
+
+class Done(Exception):
+    """Raised by a measuring backend once it has what it measures: the trace stops there."""
+
+
+def trace_until_done(backend) -> None:
+    """The engine's own trace of :func:`unet` (``precompile.trace``, ``F.linear`` standing in) into
+    ``backend``, which ends it by raising :class:`Done` (Dynamo wraps it; any other error is raised)."""
+    dm = unet()
+    args, kwargs = call(dm)
+    try:
+        with torch.no_grad(), trace_ops.standing_in():
+            precompile.trace(type(dm).forward, args, kwargs, backend, "self", trace_ops.originals())
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's exception
+        while e is not None and not isinstance(e, Done):
+            e = getattr(e, "inner_exception", None) or e.__cause__
+        if e is None:
+            raise

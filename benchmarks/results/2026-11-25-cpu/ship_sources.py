@@ -15,9 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import narrow_sdxl  # noqa: E402
-import torch  # noqa: E402
 
-from nexfort_engine import precompile, ship, split, trace_ops  # noqa: E402
+from nexfort_engine import ship, split, trace_ops  # noqa: E402
 
 OWN_STATE, META = ship._module_state, ship.NODE_META
 
@@ -32,10 +31,6 @@ def whole_state(gm):
 VARIANTS = (("whole model's sources", whole_state, META),
             ("own sources", OWN_STATE, META),
             ("own sources, no stack traces", OWN_STATE, tuple(k for k in META if k != "stack_trace")))
-
-
-class Done(Exception):
-    pass
 
 
 def dumps(part):
@@ -69,16 +64,7 @@ def backend(gm, ex):
                       f"part 1 dumps+loads {c2 - c1:.2f}s", flush=True)
     finally:
         ship._module_state, ship.NODE_META = OWN_STATE, META
-    raise Done()
+    raise narrow_sdxl.Done()
 
 
-dm = narrow_sdxl.unet()
-args, kwargs = narrow_sdxl.call(dm)
-try:
-    with torch.no_grad(), trace_ops.standing_in():
-        precompile.trace(type(dm).forward, args, kwargs, backend, "self", trace_ops.originals())
-except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's exception
-    while e is not None and not isinstance(e, Done):
-        e = getattr(e, "inner_exception", None) or e.__cause__
-    if e is None:
-        raise
+narrow_sdxl.trace_until_done(backend)

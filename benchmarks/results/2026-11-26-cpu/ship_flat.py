@@ -14,16 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "2026-11-25-cpu"))
 import narrow_sdxl  # noqa: E402
-import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
 
-from nexfort_engine import precompile, ship, split, trace_ops  # noqa: E402
+from nexfort_engine import ship, split, trace_ops  # noqa: E402
 
 FLAT_VALUES = ship._flat_values
-
-
-class Done(Exception):
-    pass
 
 
 def layout(v):
@@ -52,17 +47,7 @@ def backend(gm, ex):
                                 assert layout(va) == layout(vb), a
     finally:
         ship._flat_values = FLAT_VALUES
-    raise Done()
+    raise narrow_sdxl.Done()
 
 
-dm = narrow_sdxl.unet()
-args, kwargs = narrow_sdxl.call(dm)
-try:
-    with torch.no_grad(), trace_ops.standing_in():
-        precompile.trace(type(dm).forward, args, kwargs, backend, "self", trace_ops.originals())
-except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's exception
-    got = e
-    while got is not None and not isinstance(got, Done):
-        got = getattr(got, "inner_exception", None) or got.__cause__
-    if got is None:
-        raise
+narrow_sdxl.trace_until_done(backend)
