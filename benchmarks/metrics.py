@@ -139,6 +139,8 @@ def nexfort_counts() -> dict[str, Any]:
                               "own_s": m.get("compile_parts_own_seconds", 0.0),
                               "wait_s": m.get("compile_parts_wait_seconds", 0.0),
                               "slowest_child": m.get("compile_parts_slowest_child", {}),
+                              # the parts cut while Dynamo traced: when each was shipped, their costs
+                              "streamed": m.get("compile_parts_streamed", {}),
                               # every part: its size, node kinds, where and how long it compiled
                               "each": m.get("compile_parts_each", []),
                               # size guards the parts took after Dynamo built its own (the engine checks them)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import background, collector, counters, precompile, prewarm, regions, shapes, split, trace_ops
+from . import background, collector, counters, precompile, prewarm, regions, shapes, split, stream, trace_ops
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR, atomic_write_bytes
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
@@ -203,6 +203,12 @@ class CompiledModule(torch.nn.Module):
         #: these children (part index -> job)
         self._nx_parts = 1
         self._nx_part_jobs: dict[int, background.Job] = {}
+        #: starts one more compile worker for part ``index`` of the current split (set with the workers)
+        self._nx_spawn_part: Callable[[int], background.Job] | None = None
+        #: parts cut while Dynamo traces (stream.py), and the workers they went to (part -> job)
+        self._nx_stream: Any = None
+        self._nx_stream_jobs: dict[int, background.Job] = {}
+        self._nx_stand_ins = 0
         #: when the workers of the last split compile started (time.time): their phases count from it
         self._nx_parts_t0 = 0.0
         #: a precompiled trace's split parts are compiled after Dynamo built its guards: the
@@ -247,8 +253,33 @@ class CompiledModule(torch.nn.Module):
         if self._nx_trace_t0:  # Dynamo's own share of a saved graph's trace (the caller's, serial)
             counters.set_phase(self._nx_label, "dynamo_trace", time.perf_counter() - self._nx_trace_t0)
             self._nx_trace_t0 = 0.0
+        streamer, self._nx_stream = self._nx_stream, None
+        if streamer is not None and (streamed := self._streamed_split(streamer, gm)) is not None:
+            self._nx_graphs += 1
+            return streamed
+        self._graph_passes(gm)
+        if self._nx_parts > 1:
+            try:
+                compiled = self._compile_split(gm, example_inputs)
+            except Exception as e:
+                if type(e).__name__ in PASSTHROUGH:
+                    raise
+                counters.set_info(self._nx_label, compile_parts=f"off: {type(e).__name__}: {str(e)[:200]}")
+                log.warning("nexfort: %s: cutting the graph failed, compiling it whole (%s: %s)", self._nx_label,
+                            type(e).__name__, e)
+                compiled = precompile.serializable(self._compile_graph(gm, example_inputs))
+        else:
+            compiled = self._compile_graph(gm, example_inputs)
+            if self._nx_aot:
+                compiled = precompile.serializable(compiled)
+        self._nx_graphs += 1
+        return compiled
+
+    def _graph_passes(self, gm: torch.fx.GraphModule) -> None:
+        """The engine's rewrites of a traced graph (or of a part of one, stream.py), counted."""
         if n := trace_ops.restore(gm):
-            counters.set_info(self._nx_label, trace_stand_ins=n)
+            self._nx_stand_ins += n
+            counters.set_info(self._nx_label, trace_stand_ins=self._nx_stand_ins)
         if self._nx_group_norm and (n := group_norm.rewrite_group_norms(gm)):
             self._nx_group_norms += n
             counters.set_info(self._nx_label, group_norms_rewritten=self._nx_group_norms)
@@ -270,29 +301,11 @@ class CompiledModule(torch.nn.Module):
             if n := rewrite_attentions(gm):
                 self._nx_fp8_attentions += n
                 counters.set_info(self._nx_label, attention_fp8=self._nx_fp8_attentions)
-        if self._nx_parts > 1:
-            try:
-                compiled = self._compile_split(gm, example_inputs)
-            except Exception as e:
-                if type(e).__name__ in PASSTHROUGH:
-                    raise
-                counters.set_info(self._nx_label, compile_parts=f"off: {type(e).__name__}: {str(e)[:200]}")
-                log.warning("nexfort: %s: cutting the graph failed, compiling it whole (%s: %s)", self._nx_label,
-                            type(e).__name__, e)
-                compiled = precompile.serializable(self._compile_graph(gm, example_inputs))
-        else:
-            compiled = self._compile_graph(gm, example_inputs)
-            if self._nx_aot:
-                compiled = precompile.serializable(compiled)
-        self._nx_graphs += 1
-        return compiled
 
     # -- a graph cut into parts compiled by several processes (split.py)
     def _compile_split(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """Cut the traced graph into ``self._nx_parts`` parts; ship the children theirs, compile the
         others here, collect the children's (or compile here those a child did not deliver)."""
-        from . import ship
-
         label, count = self._nx_label, self._nx_parts
         t_cut = time.perf_counter()
         cut = split.split(gm, count)
@@ -306,19 +319,105 @@ class CompiledModule(torch.nn.Module):
         sent: dict[int, str] = {}  # part -> fingerprint, as shipped
         t_ship = time.perf_counter()
         for index, job in sorted(jobs.items()):
-            part = cut.parts[index]
-            try:  # before this process compiles anything: the shape environment as traced
-                sent[index] = part.fingerprint()
-                data = ship.dumps((part.index, sent[index], part.single, part.module, part.inputs))
-                atomic_write_bytes(job.path / background.PART_IN_FILE, data)
-            except (ship.ShipError, OSError) as e:
-                job.cancel()
+            # before this process compiles anything: the shape environment as traced
+            if (fingerprint := self._ship_part(job, cut.parts[index], count, here)) is None:
                 del jobs[index]
-                here.append(f"part {index} compiled here: it cannot be shipped ({e})")
-                log.warning("nexfort: %s: part %d of %d compiled here (cannot ship it: %s)", label, index, count, e)
+            else:
+                sent[index] = fingerprint
         t_ship = time.perf_counter() - t_ship
         counters.set_phase(label, "cut", t_cut)
         counters.set_phase(label, "ship", t_ship)
+        return self._run_split(cut, jobs, sent, here, shape_env)
+
+    # -- parts cut while Dynamo traces (stream.py)
+    def _stream_send(self, part: split.Part) -> str | None:
+        """Ship a part cut during the trace to the next worker without one."""
+        taken = {id(job) for job in self._nx_stream_jobs.values()}
+        index = next((i for i, job in sorted(self._nx_part_jobs.items()) if id(job) not in taken), None)
+        if index is None:
+            return None
+        here: list[str] = []
+        fingerprint = self._ship_part(self._nx_part_jobs[index], part, self._nx_parts, here)
+        if fingerprint is None:
+            del self._nx_part_jobs[index]
+            return None
+        self._nx_stream_jobs[part.index] = self._nx_part_jobs[index]
+        return fingerprint
+
+    def _streamed_split(self, streamer: stream.Streamer, gm: torch.fx.GraphModule) -> Callable[..., Any] | None:
+        """The split whose first parts were shipped during the trace: the rest of the graph cut
+        among the workers left. ``None`` where nothing was streamed, or the streamed parts do not fit
+        the finished graph (their workers are replaced, and the graph is cut as a whole)."""
+        label = self._nx_label
+        used, self._nx_stream_jobs = self._nx_stream_jobs, {}
+        taken = {id(job) for job in used.values()}
+        free = [job for _i, job in sorted(self._nx_part_jobs.items()) if id(job) not in taken]
+        t_cut = time.perf_counter()
+        try:
+            cut = streamer.finish(gm, max(1, len(free)))
+        except Exception as e:
+            if type(e).__name__ in PASSTHROUGH:
+                raise
+            why = f"{type(e).__name__}: {e}" if not isinstance(e, stream.Failed) else str(e)
+            counters.set_info(label, compile_parts_streamed={**streamer.report(), "dropped": why})
+            log.warning("nexfort: %s: the parts cut while tracing do not fit the graph (%s); cutting it whole",
+                        label, why)
+            self._replace_workers(taken)
+            return None
+        counters.set_info(label, compile_parts_streamed=streamer.report())
+        if cut is None:
+            return None
+        t_cut = time.perf_counter() - t_cut
+        jobs, sent, here = dict(used), dict(streamer.sent), list[str]()
+        t_ship = time.perf_counter()
+        for part in cut.parts[len(streamer.shipped):]:
+            if not free:
+                break
+            job = free.pop(0)
+            if (fingerprint := self._ship_part(job, part, len(cut.parts), here)) is not None:
+                jobs[part.index], sent[part.index] = job, fingerprint
+        for job in free:
+            job.cancel()
+        counters.set_phase(label, "cut", t_cut)
+        counters.set_phase(label, "ship", time.perf_counter() - t_ship)
+        counters.set_phase(label, "stream_hook", streamer.hook_s)
+        shape_env = split.shape_env_of([v for p in cut.parts for v in p.inputs])
+        return self._run_split(cut, jobs, sent, here, shape_env)
+
+    def _replace_workers(self, taken: set[int]) -> None:
+        """Stop the workers given parts that are dropped, and start new ones in their places."""
+        for index, job in list(self._nx_part_jobs.items()):
+            if id(job) not in taken:
+                continue
+            job.cancel()
+            del self._nx_part_jobs[index]
+            if self._nx_spawn_part is not None:
+                try:
+                    self._nx_part_jobs[index] = self._nx_spawn_part(index)
+                except OSError as e:
+                    log.warning("nexfort: %s: no new compile worker for part %d (%s)", self._nx_label, index, e)
+
+    def _ship_part(self, job: background.Job, part: split.Part, count: int, here: list[str]) -> str | None:
+        """Hand ``part`` to its worker: the fingerprint it was sent with, or ``None`` (the worker
+        is stopped, the part is noted as compiled here)."""
+        from . import ship
+
+        try:
+            fingerprint = part.fingerprint()
+            data = ship.dumps((part.index, fingerprint, part.single, part.module, part.inputs))
+            atomic_write_bytes(job.path / background.PART_IN_FILE, data)
+        except (ship.ShipError, OSError) as e:
+            job.cancel()
+            here.append(f"part {part.index} compiled here: it cannot be shipped ({e})")
+            log.warning("nexfort: %s: part %d of %d compiled here (cannot ship it: %s)", self._nx_label, part.index,
+                        count, e)
+            return None
+        return fingerprint
+
+    def _run_split(self, cut: split.Split, jobs: dict[int, background.Job], sent: dict[int, str], here: list[str],
+                   shape_env: Any) -> Callable[..., Any]:
+        """The split's compiled function; its parts are collected now or, in a saved graph's trace,
+        once Dynamo has built its guards (:meth:`_finish_pending`)."""
         compiled = split.SplitCallable(cut.plan, [])
 
         deferred = self._nx_defer_parts and self._nx_pending is None
@@ -415,7 +514,10 @@ class CompiledModule(torch.nn.Module):
             counters.set_info(label, compile_parts_slowest_child=slowest)
         for d in delivered:
             if d.get("index") in each and (timing := split.child_timing(d)):
-                each[d["index"]].update(where="child", compile_s=timing["compile_s"], phases_s=timing["phases_s"])
+                each[d["index"]].update(where="child", compile_s=timing["compile_s"], phases_s=timing["phases_s"],
+                                        # when the part reached its worker, and was compiled there
+                                        at_s={k: round(v - self._nx_parts_t0, 2) for k, v in d["times"].items()
+                                              if k in ("received", "compiled")})
         # what each part holds, counted once every part is in (off the caller's critical path)
         counters.set_info(label, compile_parts_each=[{**split.part_profile(part), **each[part.index]}
                                                      for part in cut.parts])
@@ -674,6 +776,10 @@ class CompiledModule(torch.nn.Module):
         try:
             t0 = time.perf_counter()
             self._start_parts(example)
+            if self._nx_parts > 1 and stream.enabled():
+                params = sum(1 for _ in self._orig_mod.parameters()) + sum(1 for _ in self._orig_mod.buffers())
+                self._nx_stream = stream.Streamer(len(self._nx_part_jobs), params, self._stream_send,
+                                                  self._graph_passes)
             t1 = time.perf_counter()
             self._nx_defer_parts, self._nx_pending = True, None
             self._nx_trace_t0 = t1
@@ -753,7 +859,9 @@ class CompiledModule(torch.nn.Module):
         # (trace_ops.py). Only here: a saved graph's guards are ours to fingerprint
         # (torch.compile's live guard on F.linear would fail once it is restored)
         call = (self._orig_mod, *trace_args)
-        with trace_ops.standing_in(stand_ins_enabled() and trace_ops.plain(self._orig_mod, call, trace_kwargs)):
+        watching = self._nx_stream.watching() if self._nx_stream is not None else contextlib.nullcontext()
+        with trace_ops.standing_in(stand_ins_enabled() and trace_ops.plain(self._orig_mod, call, trace_kwargs)), \
+                watching:
             return precompile.trace(target, call, trace_kwargs, self._backend, self_name,
                                     originals=trace_ops.originals())
 
@@ -786,12 +894,18 @@ class CompiledModule(torch.nn.Module):
             })
         except background.Unavailable as e:
             data, why = None, f"cannot hand the options to a child process: {e}"
+        store = self._nx_store
+
+        def spawn(index: int) -> background.Job:
+            return background.start_worker(
+                root=store.root, key=f"{entry.key}.part{index}", data=data, label=self._nx_name,
+                part=(index, count), threads=threads, child_globals=self._nx_child_globals,
+            )
+
+        self._nx_spawn_part = spawn if data is not None else None
         for index in range(1, count if data is not None else 1):
             try:
-                job = background.start_worker(
-                    root=self._nx_store.root, key=f"{entry.key}.part{index}", data=data, label=self._nx_name,
-                    part=(index, count), threads=threads, child_globals=self._nx_child_globals,
-                )
+                job = spawn(index)
             except OSError as e:
                 why = f"cannot start a child process: {e}"
                 break
@@ -808,6 +922,7 @@ class CompiledModule(torch.nn.Module):
 
     def _stop_parts(self) -> None:
         jobs, self._nx_part_jobs, self._nx_parts = self._nx_part_jobs, {}, 1
+        self._nx_spawn_part, self._nx_stream, self._nx_stream_jobs = None, None, {}
         for job in jobs.values():
             job.cancel()
 

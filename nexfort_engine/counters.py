@@ -85,6 +85,10 @@ class _Record:
     #: the worker whose part compiled longest: {"part", "compile_s", "phases_s": torch's longest
     #: compile phases in it} (split.slowest_child)
     compile_parts_slowest_child: dict[str, Any] = field(default_factory=dict)
+    #: the parts cut while Dynamo traced (stream.py): {"streamed": how many, "at_s": when each was
+    #: shipped (seconds into the trace), "costs", "returned": values each returns, "hook_s": the
+    #: trace's time in the cutting; "failed"/"dropped": why the streamed parts were not used}
+    compile_parts_streamed: dict[str, Any] = field(default_factory=dict)
     #: every part of the last cut: {"part", "nodes", "distinct" (node layouts), "kernels" and
     #: "cost" (as the cut weighed it), "inputs", "kinds": its most frequent node targets, "where":
     #: "here" or "child", "compile_s", "phases_s"} (split.part_profile)
@@ -133,6 +137,7 @@ class _Record:
             compile_parts_own_seconds=round(self.compile_parts_own_seconds, 3),
             compile_parts_wait_seconds=round(self.compile_parts_wait_seconds, 3),
             compile_parts_slowest_child=dict(self.compile_parts_slowest_child),
+            compile_parts_streamed=dict(self.compile_parts_streamed),
             compile_parts_each=[dict(d) for d in self.compile_parts_each],
             compile_phases=dict(self.compile_phases),
             updated=self.updated,

@@ -606,6 +606,7 @@ def load_compiled(blob: bytes, inductor_config: dict[str, Any] | None = None) ->
     torch loads a saved graph's compiled function (``AOTCompiledFunction.deserialize``).
     ``inductor_config``: the patches the part was compiled with, where the caller loads outside
     them (CUDA graphs are decided at load)."""
+    import torch._inductor.async_compile  # noqa: F401 - the loaded code reads it (a caller that compiled nothing)
     from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
     from torch._inductor import config as inductor_config_module
 

@@ -18,15 +18,18 @@ from cut_nets import dynamo_graph as _dynamo_graph
 from cut_nets import net as _net
 
 import nexfort_engine
-from nexfort_engine import split
+from nexfort_engine import split, stream
 from nexfort_engine.options import OptionsError, parse_options
 from nexfort_engine.passes import group_norm
 
 
 @pytest.fixture
 def small_parts(monkeypatch):
-    """Tiny graphs are cut too (children read the variable as well)."""
+    """Tiny graphs are cut too (children read the variable as well), once Dynamo's trace has ended
+    (the cut this file tests; parts cut while tracing: test_stream.py, whose schedule could stream a
+    tiny UNet whose trace is slow on a busy CPU box)."""
     monkeypatch.setenv(split.ENV_MIN_PART_NODES, "4")
+    monkeypatch.setenv(stream.ENV_STREAM, "0")
 
 
 def test_parts_are_balanced_consecutive_and_run_like_the_graph(small_parts, clean_dynamo):
