@@ -83,6 +83,13 @@ RATIO = 1.4
 #: workers kept for the tail (what is left when the trace ends; its nodes' many kernels made it
 #: the slowest part with one, run196)
 TAIL_WORKERS = 2
+#: the trace's speed on the host FIXED_S and PER_COST_S were measured on (SDXL: about 3600 compute
+#: nodes in 19 s); a slower trace scales the model's compile times by as much, up to MAX_SCALE (a
+#: host whose SDXL trace took 27 s compiled its parts 1.4 times slower, run196)
+REF_NODES_PER_S = 190.0
+MAX_SCALE = 2.0
+#: no part costs more than this many times an even share of the whole
+MAX_SHARE = 1.5
 #: a part below this cost is not worth a worker (its fixed cost dominates)
 MIN_PART_COST = 40
 
@@ -376,6 +383,7 @@ class Streamer:
         self._min_depth = 1 << 30
         self._first_inputs = 0
         self._finish_at = (-1.0, 0.0)  # (trace time it was computed at, the equal finish time)
+        self._scale, self._cap = 1.0, float("inf")
 
     # -- during the trace
     @contextlib.contextmanager
@@ -452,13 +460,19 @@ class Streamer:
             if progress < MIN_PROGRESS or t / progress < MIN_TRACE_S:
                 return False
             left = self.workers - len(self.shipped)
+            # a host that traces slower than the one the model was measured on compiles slower too
+            self._scale = min(MAX_SCALE, max(1 / MAX_SCALE, REF_NODES_PER_S * t / max(1, self._traced)))
             # in compute nodes, which the trace's time follows, at a typical part's cost per node
             # (not this part's: its first nodes are mostly new kernels, which made it twice as
             # large as it should have been, run196)
-            per_node = PER_COST_S * RATIO
+            per_node = PER_COST_S * RATIO * self._scale
             self._finish_at = (t, equal_finish(t, self._traced - self._seg_nodes, self._traced, progress, left,
-                                               per_cost=per_node, tail=self.tail))
-        return t + FIXED_S + PER_COST_S * self._seg_cost >= self._finish_at[1]
+                                               fixed=FIXED_S * self._scale, per_cost=per_node, tail=self.tail))
+            # and no part much larger than an even share of the whole (what the model gets wrong
+            # costs most in the largest part)
+            self._cap = MAX_SHARE * RATIO * (self._traced / progress) / max(1, self.workers)
+        return (self._seg_cost >= self._cap
+                or t + (FIXED_S + PER_COST_S * self._seg_cost) * self._scale >= self._finish_at[1])
 
     def _returned(self, tx: Any, result: Any) -> None:
         output = tx.output
