@@ -2,31 +2,42 @@
 
 What: with compile workers (split.py), the caller used to trace the whole model, cut the finished
 graph, and only then ship the workers their parts: the workers sat idle through the trace (SDXL:
-about 20 s on an H200 host), and then every part took about 17 s. A :class:`Streamer` watches the
-trace instead. Each time an inlined call returns (a block of the model traced), it may cut the
-nodes Dynamo added since its last cut into a part and hand it to ``send`` (the caller's shipping):
-that worker starts compiling while the trace goes on. When the trace ends, :meth:`Streamer.finish`
-checks the parts against the finished graph and cuts what is left (the tail) among the remaining
-workers, and returns the :class:`~nexfort_engine.split.Split` whose plan runs them all.
+about 20 s on an H200 host), and then every part took about 20 s. A :class:`Streamer` watches the
+trace instead (a hook on Dynamo's ``InliningInstructionTranslator.inline_call``). Each time an
+inlined call returns, it may cut the nodes Dynamo added since its last cut into a part and hand it
+to ``send`` (the caller's shipping): that worker compiles while the trace goes on. When the trace
+ends, :meth:`Streamer.finish` checks the parts against the finished graph, cuts what is left (the
+tail) among the workers kept for it, and returns the :class:`~nexfort_engine.split.Split` whose
+plan runs them all. SDXL's cold compile on one H200 host: 42.0 s against 53.5 s cut at the end.
 
 When to cut (:func:`equal_finish`): a part shipped at trace time ``t`` with cost ``c`` (split.py's
-measure: compute nodes plus a weight per distinct kernel) finishes at about
-``t + FIXED_S + PER_COST_S * c``. Parts cut early are made larger, later ones smaller, so that all
-finish together, and the tail at the trace's end is spread over the workers left. How much of the
-model is still to come is estimated from the share of its parameters the graph has read so far.
+measure: compute nodes plus a weight per distinct kernel) is back at about
+``t + FIXED_S + PER_COST_S * c``, scaled by how much slower than the reference host this one
+traces. Parts cut early are made larger, later ones smaller, so that all are back together with
+the tail, which is spread over the workers kept for it. How much of the model is still to come is
+estimated from the share of its parameters the graph has read (it follows the compute nodes
+traced). No part exceeds 1.5 times an even share. Traces expected to be short are not streamed.
 
-What a part returns: the values its later parts could still read. Dynamo knows them only as the
-variables the traced Python holds: each frame's locals and stack, and the objects the trace
-mutated. A cut is taken where few of the part's own values are held (between a UNet's blocks:
-the hidden state), after waiting a little for such a point.
+Where to cut: where every traced frame is inside a call (in the middle of another instruction,
+such as unpacking a ``map``, Dynamo's own Python holds values the frames do not), and once a cut
+is due, at a return as shallow as the part's shallowest (a block's return to the model's loop),
+deeper ones allowed as the part grows. A part returns the values of its nodes the traced Python
+still holds: each frame's locals and stack, and the objects the trace tracks (read without
+realizing lazy variables, which would add graph inputs and guards). A held size or tuple is not
+returned (AOTAutograd would flatten it): later parts make it again from what it was made of
+(:func:`expose`). Each part takes the graph inputs that bind the symbolic sizes of its inputs, as
+``split_module`` does (:func:`bindings`). Dynamo's last pass over the graph (runtime asserts, with a
+CSE of size arithmetic that rewrites nodes already shipped) is off while streaming: every size is
+backed by an input's, which the guards check.
 
 Safety: nothing is assumed. :meth:`Streamer.finish` checks each shipped part against the graph
 Dynamo hands the backend: its nodes unchanged, every later reader of its values reading one it
-returns, its inputs still the graph's. If anything differs (or the hook met anything it does not
-know, or Dynamo restarted its trace), the streamed parts are dropped (:class:`Failed`) and the
-caller cuts the finished graph as before, with fresh workers. The graph passes the backend runs on
-a whole graph run on each part (``passes``), and the example values of a part's outputs are the
-ones its passes left (GroupNorm's channels-last layout), which the next part's inputs take.
+returns (or makes again), its inputs still the graph's. If anything differs (or the hook met an
+error, or Dynamo restarted its trace), the streamed parts are dropped (:class:`Failed`), their
+workers are replaced, and the caller cuts the finished graph as before. The graph passes the
+backend runs on a whole graph run on each part (``passes``); the example values of a part's
+outputs are the ones its passes left (GroupNorm's channels-last layout), which the next part's
+inputs take.
 
 Twin: the finished graph cut at once (``NEXFORT_STREAM_PARTS=0``).
 """
@@ -72,9 +83,11 @@ DEPTH_STEP_MIN = 20
 #: unpacking a ``map``, Dynamo's own Python holds values the frames do not)
 _CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX", "CALL_METHOD",
                     "PRECALL"})
-#: a trace expected to take less than this is not streamed: a part's fixed cost dwarfs what
-#: shipping it early gains (and tiny models cut as before, whatever the machine's speed)
-MIN_TRACE_S = 3.0
+#: a trace expected to take less than this is not streamed: the parts' compiles (about 12 s each)
+#: outlast it, and shipping them early gains less than the tail loses. SD2.1 (a 10-11 s trace) took
+#: 33.4 s streamed against 30.7 s cut at the trace's end on one H200 host, SDXL (19-21 s) 42.0 s
+#: against 53.5 s (run196d); tiny models are cut as before, whatever the machine's speed
+MIN_TRACE_S = 14.0
 #: the schedule's finish time is recomputed at most this often (seconds of trace)
 RESCHEDULE_S = 0.1
 #: a typical part's cost per compute node, its kernels weighed in (SDXL's parts cut at the trace's

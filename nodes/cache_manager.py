@@ -123,6 +123,11 @@ def report(store: CacheStore, message: str = "") -> str:
                 phases = ", ".join(f"{k} {v:.1f}s" for k, v in list(slow.get("phases_s", {}).items())[:3])
                 lines.append(f"    slowest worker: part {slow.get('part')}, {slow.get('compile_s', 0.0):.1f}s"
                              + (f" ({phases})" if phases else ""))
+            if (streamed := m.get("compile_parts_streamed") or {}).get("streamed"):  # cut while tracing
+                why = streamed.get("dropped") or streamed.get("failed")
+                lines.append(f"    parts shipped while tracing: {streamed['streamed']}, at "
+                             + ", ".join(f"{t:.1f}" for t in streamed.get("at_s", [])) + "s"
+                             + (f" (dropped: {why}; the traced graph was cut whole)" if why else ""))
             if each := [d for d in m.get("compile_parts_each") or [] if "compile_s" in d]:  # the cut's balance
                 lines.append("    parts' compile: " + ", ".join(
                     f"{d['part']}{' (here)' if d.get('where') == 'here' else ''} {d['compile_s']:.1f}s"

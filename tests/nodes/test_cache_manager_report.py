@@ -42,6 +42,13 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     counters.set_info("UNetModel:aa", compile_parts="6 parts, 5 from child processes")
     assert "    compile workers: 6 parts, 5 from child processes" in cache_manager.report(CacheStore(tmp_path))
     assert "slowest worker" not in cache_manager.report(CacheStore(tmp_path))
+    assert "while tracing" not in cache_manager.report(CacheStore(tmp_path))
+    counters.set_info("UNetModel:aa", compile_parts_streamed={"streamed": 2, "at_s": [5.374, 9.21]})
+    assert "    parts shipped while tracing: 2, at 5.4, 9.2s\n" in cache_manager.report(CacheStore(tmp_path))
+    counters.set_info("UNetModel:aa", compile_parts_streamed={"streamed": 2, "at_s": [5.374, 9.21],
+                                                               "dropped": "part 0: mul changed after the cut"})
+    assert ("    parts shipped while tracing: 2, at 5.4, 9.2s (dropped: part 0: mul changed after the cut; the "
+            "traced graph was cut whole)") in cache_manager.report(CacheStore(tmp_path))
     counters.set_info("UNetModel:aa", compile_parts_slowest_child={
         "part": 2, "compile_s": 19.908, "phases_s": {"create_aot_dispatcher_function": 18.85,
                                                      "compile_fx_inner": 12.62, "GraphLowering.codegen": 7.77,
