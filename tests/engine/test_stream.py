@@ -10,6 +10,7 @@ graph with fresh workers.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import pytest
@@ -83,6 +84,57 @@ def test_parts_cut_while_tracing_run_like_the_graph(forced, clean_dynamo):
         out = cut.plan.run([p.module for p in cut.parts], got["inputs"])
         torch.testing.assert_close(out[0], net(x), rtol=1e-5, atol=1e-5)
     assert len({p.fingerprint() for p in cut.parts}) == 2
+
+
+def test_watching_the_trace_changes_nothing_dynamo_traces(forced, clean_dynamo):
+    """The cuts only read the traced Python's variables (never realising a lazy one, which would
+    add a graph input and guards): the finished graph has the inputs and computing nodes of a trace
+    nobody watched, and an argument the model holds but never reads is not guarded on (another
+    size of it does not recompile)."""
+
+    class Holding(torch.nn.Module):  # holds an argument it never reads (a lazy variable in Dynamo)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, x: torch.Tensor, unused: torch.Tensor | None = None) -> torch.Tensor:
+            return self.net(x)
+
+    net = Holding()
+    x = torch.randn(2, 4, 8, 8)
+    for d in (0, 2, 3):
+        torch._dynamo.mark_dynamic(x, d)
+
+    def compiled_graphs(streamer):
+        graphs = []
+
+        def backend(gm, _example_inputs):
+            graphs.append(gm)
+            if streamer is not None:
+                streamer.finish(gm, 1)
+            return gm.forward
+
+        torch._dynamo.reset()
+        fn = torch.compile(net, backend=backend, dynamic=None, fullgraph=True)
+        with torch.no_grad():
+            with streamer.watching() if streamer is not None else contextlib.nullcontext():
+                fn(x, torch.randn(3))
+            fn(x, torch.randn(5))  # another size of the unread argument
+        return graphs
+
+    (plain,) = compiled_graphs(None)
+    streamer = stream.Streamer(2, sum(1 for _ in net.parameters()), lambda part: part.fingerprint(), lambda gm: None)
+    watched = compiled_graphs(streamer)
+    assert streamer.shipped and len(watched) == 1, (streamer.report(), len(watched))
+
+    def inputs(gm):
+        return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def computing(gm):
+        return [(n.op, str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+    assert inputs(watched[0]) == inputs(plain)
+    assert computing(watched[0]) == computing(plain)
 
 
 def test_more_workers_more_parts_and_unread_values_are_freed(forced, clean_dynamo):
