@@ -206,9 +206,12 @@ class CompiledModule(torch.nn.Module):
         #: starts one more compile worker for part ``index`` of the current split (set with the workers)
         self._nx_spawn_part: Callable[[int], background.Job] | None = None
         #: parts cut while Dynamo traces (stream.py), and the workers they went to (part -> job)
-        self._nx_stream: Any = None
+        self._nx_stream: stream.Streamer | None = None
         self._nx_stream_jobs: dict[int, background.Job] = {}
         self._nx_stand_ins = 0
+        #: the passes' counts before the trace (restored when streamed parts are dropped: their
+        #: passes run again on the whole graph)
+        self._nx_counts_before: tuple[int, ...] = ()
         #: when the workers of the last split compile started (time.time): their phases count from it
         self._nx_parts_t0 = 0.0
         #: a precompiled trace's split parts are compiled after Dynamo built its guards: the
@@ -363,6 +366,8 @@ class CompiledModule(torch.nn.Module):
             log.warning("nexfort: %s: the parts cut while tracing do not fit the graph (%s); cutting it whole",
                         label, why)
             self._replace_workers(taken)
+            (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants, self._nx_fused_ropes,
+             self._nx_fp8_attentions) = self._nx_counts_before
             return None
         counters.set_info(label, compile_parts_streamed=streamer.report())
         if cut is None:
@@ -780,6 +785,8 @@ class CompiledModule(torch.nn.Module):
                 params = sum(1 for _ in self._orig_mod.parameters()) + sum(1 for _ in self._orig_mod.buffers())
                 self._nx_stream = stream.Streamer(len(self._nx_part_jobs), params, self._stream_send,
                                                   self._graph_passes)
+                self._nx_counts_before = (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants,
+                                          self._nx_fused_ropes, self._nx_fp8_attentions)
             t1 = time.perf_counter()
             self._nx_defer_parts, self._nx_pending = True, None
             self._nx_trace_t0 = t1

@@ -279,6 +279,8 @@ def test_streamed_parts_dropped_at_the_end_are_cut_again_by_fresh_workers(forced
     rec = _record(fresh_stats)
     assert rec["fallbacks"] == 0, rec["fallback_reasons"]
     assert rec["compile_parts_streamed"]["dropped"] == "refused by the test", rec["compile_parts_streamed"]
+    # the streamed part's GroupNorms were rewritten, and then the whole graph's: counted once
+    assert rec["group_norms_rewritten"] == 12, rec["group_norms_rewritten"]
     # the finished graph cut in three as without streaming, the worker of the dropped part replaced
     assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
