@@ -76,7 +76,7 @@ MIN_PROGRESS = 0.04
 #: once a cut is due, it waits for a return as shallow as the part's shallowest (a block's return to
 #: the model's loop); each time the part grows by this share of its cost when due (at least by
 #: DEPTH_STEP_MIN), one frame deeper. SDXL's transformer blocks return two frames deeper than its
-#: blocks; waiting for a block's return made parts 20 % larger than due at 0.1 (run196)
+#: blocks; waiting for a block's return made parts 20 % larger than due at 0.1 (run196, run196b)
 DEPTH_STEP = 0.03
 DEPTH_STEP_MIN = 20
 #: the instructions a frame may be in at a cut: a call (in the middle of any other, such as
@@ -94,11 +94,11 @@ RESCHEDULE_S = 0.1
 #: end, run195: 1.35-1.6; the first 300 nodes of its trace: 2.6)
 RATIO = 1.4
 #: workers kept for the tail (what is left when the trace ends; its nodes' many kernels made it
-#: the slowest part with one, run196)
+#: the slowest part with one, run196b)
 TAIL_WORKERS = 2
 #: the trace's speed on the host FIXED_S and PER_COST_S were measured on (SDXL: about 3600 compute
 #: nodes in 19 s); a slower trace scales the model's compile times by as much, up to MAX_SCALE (a
-#: host whose SDXL trace took 27 s compiled its parts 1.4 times slower, run196)
+#: host whose SDXL trace took 27 s compiled its parts 1.4 times slower, run196c)
 REF_NODES_PER_S = 190.0
 MAX_SCALE = 2.0
 #: no part costs more than this many times an even share of the whole
