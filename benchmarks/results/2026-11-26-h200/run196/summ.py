@@ -1,4 +1,6 @@
-import json, sys
+import json
+import sys
+
 d = json.load(open(sys.argv[1]))
 for r in d["runs"]:
     c = r.get("counts_after_warmup", {})
