@@ -259,14 +259,26 @@ def expose(wanted: Sequence[fx.Node], inside: set[fx.Node], remade: set[fx.Node]
     return out
 
 
-def bindings(graph: fx.Graph) -> dict[Any, fx.Node]:
-    """Symbol -> the graph input that is that symbolic size (Dynamo lifts each as an input)."""
-    out: dict[Any, fx.Node] = {}
-    for node in graph.find_nodes(op="placeholder"):
-        value = node.meta.get("example_value")
-        if isinstance(value, (torch.SymInt, torch.SymFloat)) and value.node.expr.is_Symbol:
-            out.setdefault(value.node.expr, node)
+def _plain(values: Sequence[Any]) -> dict[Any, int]:
+    """The symbols that are a size of one of ``values`` (or one of them), by the value's index."""
+    out: dict[Any, int] = {}
+    for i, value in enumerate(values):
+        sizes = value.shape if isinstance(value, torch.Tensor) else [value]
+        for d in sizes:
+            if isinstance(d, (torch.SymInt, torch.SymFloat)) and d.node.expr.is_Symbol:
+                out.setdefault(d.node.expr, i)
     return out
+
+
+def bindings(graph: fx.Graph) -> dict[Any, fx.Node]:
+    """Symbol -> a graph input that has it as a size: a tensor input first (Dynamo keeps an input
+    the graph reads; a size input nobody reads is dropped when the trace ends), else the size input
+    Dynamo lifted for it."""
+    nodes = list(graph.find_nodes(op="placeholder"))
+    values = [n.meta.get("example_value") for n in nodes]
+    tensors = _plain([v if isinstance(v, torch.Tensor) else None for v in values])
+    sizes = _plain([v if isinstance(v, (torch.SymInt, torch.SymFloat)) else None for v in values])
+    return {**{sym: nodes[i] for sym, i in sizes.items()}, **{sym: nodes[i] for sym, i in tensors.items()}}
 
 
 def build_part(index: int, nodes: Sequence[fx.Node], outputs: Sequence[fx.Node], examples: dict[fx.Node, Any],
@@ -307,13 +319,17 @@ def build_part(index: int, nodes: Sequence[fx.Node], outputs: Sequence[fx.Node],
         from torch.fx.experimental.symbolic_shapes import free_symbols
 
         have = set(inputs)
+        bound = set(_plain([_example(a, examples) for a in inputs]))
         for a in list(inputs):
             for sym in sorted(free_symbols(_example(a, examples)), key=str):
+                if sym in bound:
+                    continue
                 if sym not in symbols:
                     raise Failed(f"no graph input binds the size {sym} of {a.name}")
                 if (b := symbols[sym]) not in have and b not in inside:
                     have.add(b)
                     inputs.append(b)
+                    bound.update(_plain([_example(b, examples)]))
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     values = []
