@@ -271,14 +271,12 @@ def _plain(values: Sequence[Any]) -> dict[Any, int]:
 
 
 def bindings(graph: fx.Graph) -> dict[Any, fx.Node]:
-    """Symbol -> a graph input that has it as a size: a tensor input first (Dynamo keeps an input
-    the graph reads; a size input nobody reads is dropped when the trace ends), else the size input
-    Dynamo lifted for it."""
+    """Symbol -> the size input Dynamo lifted for it (Inductor's passes bind a symbol from such an
+    input only, not from a tensor's size: ``KeyError: s53`` in its tensorify pass, run196)."""
     nodes = list(graph.find_nodes(op="placeholder"))
     values = [n.meta.get("example_value") for n in nodes]
-    tensors = _plain([v if isinstance(v, torch.Tensor) else None for v in values])
     sizes = _plain([v if isinstance(v, (torch.SymInt, torch.SymFloat)) else None for v in values])
-    return {**{sym: nodes[i] for sym, i in sizes.items()}, **{sym: nodes[i] for sym, i in tensors.items()}}
+    return {sym: nodes[i] for sym, i in sizes.items()}
 
 
 def build_part(index: int, nodes: Sequence[fx.Node], outputs: Sequence[fx.Node], examples: dict[fx.Node, Any],
