@@ -49,7 +49,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 from torch import fx
@@ -224,10 +224,25 @@ def _makes_kernel(node: fx.Node) -> bool:
     return bool(_weight(node)) and _kind(node).lstrip(".") not in _NO_KERNEL
 
 
+def node_costs(nodes: Iterable[fx.Node]) -> list[tuple[fx.Node, int, Hashable | None]]:
+    """Per node, in the order given: its weight, and its kernel signature if it makes a kernel."""
+    return [(node, _weight(node), _signature(node) if _makes_kernel(node) else None) for node in nodes]
+
+
 def _costs(gm: fx.GraphModule) -> list[tuple[fx.Node, int, Hashable | None]]:
-    """Per node in graph order: its weight, and its kernel signature if it makes a kernel."""
-    return [(node, _weight(node), _signature(node) if _makes_kernel(node) else None)
-            for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
+    """:func:`node_costs` of the graph's compute nodes, in graph order."""
+    return node_costs(node for node in gm.graph.nodes if node.op not in ("placeholder", "output"))
+
+
+def added_cost(weight: int, sig: Hashable | None, seen: set[Hashable], kernel_weight: int = NEW_KERNEL_WEIGHT) -> int:
+    """What a node of ``weight`` and kernel signature ``sig`` adds to a part whose kernel signatures
+    are ``seen`` (left unchanged): its weight, and ``kernel_weight`` if its kernel is a new one."""
+    return weight + kernel_weight * (sig is not None and sig not in seen)
+
+
+def min_part_nodes() -> int:
+    """The fewest compute nodes a part is cut to (``NEXFORT_MIN_PART_NODES``)."""
+    return int(os.environ.get(ENV_MIN_PART_NODES) or MIN_NODES_PER_PART)
 
 
 def _fill(costs: Sequence[tuple[Any, int, Hashable | None]], n: int, cap: float, share: float,
@@ -236,13 +251,12 @@ def _fill(costs: Sequence[tuple[Any, int, Hashable | None]], n: int, cap: float,
     out: list[int] = []
     part, cost, seen, ok = 0, 0.0, set[Hashable](), True
     for _node, weight, sig in costs:
-        new = sig is not None and sig not in seen
-        if weight and cost > 0 and part < n - 1 and cost + weight + kernel_weight * new > _budget(part, cap, share):
+        if (weight and cost > 0 and part < n - 1
+                and cost + added_cost(weight, sig, seen, kernel_weight) > _budget(part, cap, share)):
             part, cost, seen = part + 1, 0.0, set()
-            new = sig is not None
+        cost += added_cost(weight, sig, seen, kernel_weight)
         if sig is not None:
             seen.add(sig)
-        cost += weight + kernel_weight * new
         ok = ok and cost <= _budget(part, cap, share)
         out.append(part)
     return out, ok
@@ -297,8 +311,7 @@ def assign(gm: fx.GraphModule, n: int) -> dict[fx.Node, int] | None:
     ``NEXFORT_OWN_PART_SHARE`` (default :data:`OWN_PART_SHARE`) times the others' budget."""
     costs = _costs(gm)
     total = sum(weight for _node, weight, _sig in costs)
-    minimum = int(os.environ.get(ENV_MIN_PART_NODES) or MIN_NODES_PER_PART)
-    if n < 2 or total < n * minimum:
+    if n < 2 or total < n * min_part_nodes():
         return None
     share = float(os.environ.get(ENV_OWN_PART_SHARE) or OWN_PART_SHARE)
     if not 0.05 <= share <= 4.0:

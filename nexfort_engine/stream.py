@@ -94,8 +94,10 @@ RESCHEDULE_S = 0.1
 #: end, run195: 1.35-1.6; the first 300 nodes of its trace: 2.6)
 RATIO = 1.4
 #: workers kept for the tail (what is left when the trace ends; its nodes' many kernels made it
-#: the slowest part with one, run196b)
+#: the slowest part with one, run196b; three or four of eight or nine workers did not measure
+#: faster, runs 198-199); ``NEXFORT_STREAM_TAIL_WORKERS`` overrides it (measurements)
 TAIL_WORKERS = 2
+ENV_TAIL_WORKERS = "NEXFORT_STREAM_TAIL_WORKERS"
 #: the trace's speed on the host FIXED_S and PER_COST_S were measured on (SDXL: about 3600 compute
 #: nodes in 19 s); a slower trace scales the model's compile times by as much, up to MAX_SCALE (a
 #: host whose SDXL trace took 27 s compiled its parts 1.4 times slower, run196c)
@@ -165,13 +167,12 @@ def equal_finish(t: float, start: float, traced: float, progress: float, workers
 
 
 def _node_cost(node: fx.Node, seen: set[Any]) -> int:
-    weight = split._weight(node)
-    if weight and split._makes_kernel(node):
-        sig = split._signature(node)
-        if sig not in seen:
-            seen.add(sig)
-            return weight + split.NEW_KERNEL_WEIGHT
-    return weight
+    """What ``node`` adds to the segment whose kernel signatures are ``seen`` (updated)."""
+    ((_node, weight, sig),) = split.node_costs([node])
+    cost = split.added_cost(weight, sig, seen)
+    if sig is not None:
+        seen.add(sig)
+    return cost
 
 
 def _held_nodes(tx: Any, extra: Any) -> set[fx.Node]:
@@ -388,8 +389,8 @@ class Streamer:
         self.sent: dict[int, str] = {}
         self.parts: list[split.Part] = []
         self.failed: str | None = None
-        #: workers kept for the tail: two, where there are four or more
-        self.tail = max(1, min(TAIL_WORKERS, workers - 2))
+        #: workers kept for the tail: TAIL_WORKERS, where there are two more than that
+        self.tail = max(1, min(int(os.environ.get(ENV_TAIL_WORKERS) or TAIL_WORKERS), workers - 2))
         self.stopped = workers < 2
         self.examples: dict[fx.Node, Any] = {}
         self.returned: set[fx.Node] = set()
@@ -635,11 +636,9 @@ def _tail_pieces(tail: list[fx.Node], n: int) -> list[list[fx.Node]]:
     """The tail's nodes in at most ``n`` consecutive pieces of about equal cost."""
     if not tail:
         return []
-    costs = [(node, split._weight(node), split._signature(node) if split._makes_kernel(node) else None)
-             for node in tail]
+    costs = split.node_costs(tail)
     total = sum(w for _n, w, _s in costs)
-    minimum = int(os.environ.get(split.ENV_MIN_PART_NODES) or split.MIN_NODES_PER_PART)
-    n = max(1, min(n, total // max(1, minimum)))
+    n = max(1, min(n, total // max(1, split.min_part_nodes())))
     if n == 1:
         return [list(tail)]
     assigned = split.cut_costs(costs, n, 1.0)

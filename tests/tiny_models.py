@@ -214,6 +214,16 @@ def sample(
     )
 
 
+def sd15_compiled_error(compile_model_patcher: Callable[[Any, Any], Any], options: Any, steps: int = 2) -> float:
+    """The tiny SD1.5 UNet sampled eagerly, then through ``compile_model_patcher(mp, options)`` (the
+    node layer's ``patcher.compile_model_patcher``): the compiled image's :func:`rel_err` to eager's."""
+    mp = tiny_sd15()
+    h, w = RESOLUTIONS["sd15"][0]
+    ref = sample(mp, h, w, steps=steps)
+    out = sample(compile_model_patcher(mp, options), h, w, steps=steps)
+    return rel_err(out, ref)
+
+
 def call_diffusion(
     mp: Any,
     h: int = 64,

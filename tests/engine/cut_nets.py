@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
+
 import torch
 import torch.nn.functional as F
 
@@ -42,14 +45,20 @@ def net() -> ConvNet:
     return ConvNet().eval().requires_grad_(False)
 
 
-def dynamo_graph(net: torch.nn.Module, x: torch.Tensor, rewrite: bool = False) -> tuple[torch.fx.GraphModule, list]:
+def dynamo_graph(net: torch.nn.Module, x: torch.Tensor, rewrite: bool = False, *,
+                 context: Callable[[], ContextManager[object]] = contextlib.nullcontext,
+                 on_graph: Callable[[torch.fx.GraphModule], None] | None = None,
+                 fullgraph: bool = False) -> tuple[torch.fx.GraphModule, list]:
     """The graph Dynamo hands a backend (example values on every node; dynamic batch and size),
-    and the inputs it was called with."""
+    and the inputs it was called with. ``context``: entered around the trace; ``on_graph``: called
+    with the graph in the backend, after ``rewrite``'s GroupNorm rewrite."""
     got: dict[str, object] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
         if rewrite:
             group_norm.rewrite_group_norms(gm)
+        if on_graph is not None:
+            on_graph(gm)
         got["gm"], got["inputs"] = gm, list(example_inputs)
         return gm.forward
 
@@ -57,6 +66,6 @@ def dynamo_graph(net: torch.nn.Module, x: torch.Tensor, rewrite: bool = False) -
     x = x.clone()
     for d in (0, 2, 3):
         torch._dynamo.mark_dynamic(x, d)
-    with torch.no_grad():
-        torch.compile(net, backend=backend, dynamic=None)(x)
+    with torch.no_grad(), context():
+        torch.compile(net, backend=backend, dynamic=None, fullgraph=fullgraph)(x)
     return got["gm"], got["inputs"]  # type: ignore[return-value]
