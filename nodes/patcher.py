@@ -9,6 +9,9 @@
   stale).
 * Low-VRAM / partial offload: ComfyUI then casts weights per layer on the fly; that path is run
   eager for that call, with one warning and a counted fallback.
+* Newer ComfyUI's dynamic VRAM (its layers page weights in through ctypes calls Dynamo cannot
+  trace): a model is made a regular ModelPatcher first (``clone(disable_dynamic=True)``, as its own
+  TorchCompileModel does); a model that cannot be, and a VAE, run uncompiled with a warning.
 * VAEs: :func:`compile_vae` returns a shallow copy of the VAE whose ``first_stage_model`` is a
   proxy with compiled ``decode``/``encode`` (used by the plain and the tiled paths alike).
 """
@@ -100,11 +103,45 @@ def _progress(node_id: str | None, text: str) -> None:
         pass
 
 
+def _is_dynamic(patcher: Any) -> bool:
+    """Whether ``patcher`` is newer ComfyUI's dynamic-VRAM ModelPatcher (0.3.75 has none)."""
+    is_dynamic = getattr(patcher, "is_dynamic", None)
+    return bool(callable(is_dynamic) and is_dynamic())
+
+
+def _traceable_clone(model: Any) -> tuple[Any, str | None]:
+    """A clone of ``model`` whose diffusion model Dynamo can trace, or ``None`` and why not.
+
+    Newer ComfyUI's dynamic VRAM (on by default on NVIDIA since it came) pages each layer's weights
+    in inside the layer's call, through ctypes, which Dynamo cannot trace. Its own TorchCompileModel
+    demotes such a ModelPatcher to a regular one first (``clone(disable_dynamic=True)``), and so do
+    we. ComfyUI 0.3.75 has no dynamic patchers (no ``is_dynamic``): a plain clone."""
+    if not _is_dynamic(model):
+        return model.clone(), None
+    try:
+        return model.clone(disable_dynamic=True), None
+    except (RuntimeError, TypeError) as e:  # a loader that recorded no way to rebuild it as a regular one
+        return None, f"{type(e).__name__}: {e}"
+
+
 def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None = None) -> Any:
-    """Clone ``model`` (a ModelPatcher) and register the nexfort APPLY_MODEL wrapper on the clone."""
+    """Clone ``model`` (a ModelPatcher) and register the nexfort APPLY_MODEL wrapper on the clone.
+    A dynamic-VRAM ModelPatcher that cannot be made a regular one is returned cloned, uncompiled,
+    with a warning and a counted fallback."""
     from comfy.patcher_extension import WrappersMP
 
-    m = model.clone()
+    m, why = _traceable_clone(model)
+    if m is None:
+        label = type(model.get_model_object("diffusion_model")).__name__
+        log.warning("nexfort: %s is loaded with ComfyUI's dynamic VRAM and cannot be made a regular model "
+                    "(%s): not compiled; start ComfyUI with --disable-dynamic-vram to compile it", label, why)
+        counters.bump(label, "fallbacks")
+        counters.add_reason(label, "fallback", f"dynamic VRAM, not compiled ({why}); "
+                                               "start ComfyUI with --disable-dynamic-vram")
+        counters.set_info(label, state="fallback", node_id=node_id)
+        m = model.clone()
+        m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+        return m
     m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
 
     def nexfort_apply_model(executor: Any, *args: Any, **kwargs: Any) -> Any:
@@ -182,10 +219,22 @@ class _CompiledVAEModel(torch.nn.Module):
 
 
 def compile_vae(vae: Any, config: CompileConfig, node_id: str | None = None) -> Any:
-    """Shallow-copy ``vae`` (a comfy.sd.VAE) with a compiled decode/encode; the input is untouched."""
+    """Shallow-copy ``vae`` (a comfy.sd.VAE) with a compiled decode/encode; the input is untouched.
+    A VAE loaded with newer ComfyUI's dynamic VRAM pages its weights in inside each layer's call,
+    which Dynamo cannot trace, and ComfyUI offers no regular twin of it: the copy runs eager, with a
+    warning and a counted fallback."""
     inner = vae.first_stage_model
     if isinstance(inner, _CompiledVAEModel):
         inner = inner.inner
     new = copy.copy(vae)
+    if _is_dynamic(getattr(vae, "patcher", None)):
+        label = f"{type(inner).__name__}.decode"
+        log.warning("nexfort: the VAE (%s) is loaded with ComfyUI's dynamic VRAM: not compiled; start ComfyUI "
+                    "with --disable-dynamic-vram to compile it", type(inner).__name__)
+        counters.bump(label, "fallbacks")
+        counters.add_reason(label, "fallback", "dynamic VRAM, not compiled; start ComfyUI with --disable-dynamic-vram")
+        counters.set_info(label, state="fallback", node_id=node_id)
+        new.first_stage_model = inner
+        return new
     new.first_stage_model = _CompiledVAEModel(inner, config, node_id)
     return new

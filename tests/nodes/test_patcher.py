@@ -103,6 +103,58 @@ def test_first_weight_patch_does_not_recompile(patcher, comfy_inproc, fresh_stat
     assert compiles[1] == compiles[0], compiles
 
 
+def _dynamic(mp, rebuildable=True):
+    """``mp`` as newer ComfyUI's dynamic-VRAM ModelPatcher declares itself (the host, 0.3.75, has
+    none): ``is_dynamic()``, and ``clone(disable_dynamic=True)`` returning a regular ModelPatcher,
+    or raising as ComfyUI does for a loader that recorded no way to rebuild the model."""
+    from comfy.model_patcher import ModelPatcher
+
+    class DynamicModelPatcher(ModelPatcher):
+        demoted = 0
+
+        def is_dynamic(self):
+            return True
+
+        def clone(self, disable_dynamic=False):
+            n = super().clone()
+            if disable_dynamic:
+                if not rebuildable:
+                    raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
+                type(self).demoted += 1
+                n.__class__ = ModelPatcher
+            return n
+
+    d = mp.clone()
+    d.__class__ = DynamicModelPatcher
+    return d
+
+
+def test_a_dynamic_vram_model_is_compiled_as_a_regular_one(patcher, unet, fresh_stats):
+    from comfy.model_patcher import ModelPatcher
+
+    dyn = _dynamic(unet)
+    # a config of its own: the module's compiled twin for EAGER may exist from the tests above
+    c = patcher.compile_model_patcher(dyn, nexfort_engine.parse_options({"mode": "O1", "backend": "eager"}),
+                                      node_id="3")
+    assert type(dyn).demoted == 1 and type(c) is ModelPatcher and _nx_wrappers(c)
+    assert tm.rel_err(_sample(c), _sample(unet)) <= TOL
+    s = fresh_stats()
+    assert s["compiles"] >= 1 and s["fallbacks"] == 0
+
+
+def test_a_dynamic_vram_model_that_cannot_be_made_regular_runs_uncompiled(patcher, unet, fresh_stats, caplog):
+    dyn = _dynamic(unet, rebuildable=False)
+    with caplog.at_level("WARNING"):
+        c = patcher.compile_model_patcher(dyn, nexfort_engine.parse_options(EAGER), node_id="4")
+    assert c is not dyn and not _nx_wrappers(c) and c.is_dynamic()
+    assert "--disable-dynamic-vram" in caplog.text
+    assert tm.rel_err(_sample(c), _sample(unet)) <= TOL  # the user's run goes on, eager
+    s = fresh_stats()
+    assert s["compiles"] == 0 and s["fallbacks"] == 1
+    [rec] = [r for r in s["models"].values() if r["fallbacks"]]
+    assert rec["node_ids"] == ["4"] and "--disable-dynamic-vram" in rec["fallback_reasons"][0]
+
+
 # -- VAE ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -136,6 +188,24 @@ def test_compile_vae_decode_encode_equal_eager(patcher, vae, fresh_stats):
     assert s["recompiles"] <= 2, s["recompile_reasons"]  # at most one per method over 3 sizes
     # compiling a compiled VAE again wraps the original model, not the proxy
     assert patcher.compile_vae(cv, cfg).first_stage_model.inner is vae.first_stage_model
+
+
+def test_a_dynamic_vram_vae_runs_uncompiled_with_a_warning(patcher, vae, fresh_stats, caplog):
+    import copy
+
+    dyn = copy.copy(vae)
+    dyn.patcher = _dynamic(vae.patcher)
+    dyn.first_stage_model = patcher.compile_vae(vae, nexfort_engine.parse_options(EAGER)).first_stage_model
+    with caplog.at_level("WARNING"):
+        out_vae = patcher.compile_vae(dyn, nexfort_engine.parse_options(EAGER), node_id="5")
+    # the plain model again, where the VAE had been given the compiled proxy before
+    assert out_vae is not dyn and out_vae.first_stage_model is vae.first_stage_model
+    assert "--disable-dynamic-vram" in caplog.text
+    lat = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    assert tm.rel_err(out_vae.decode(lat), vae.decode(lat)) <= TOL
+    s = fresh_stats()
+    assert s["compiles"] == 0 and s["fallbacks"] == 1
+    assert s["models"]["TAESD.decode"]["node_ids"] == ["5"]
 
 
 def test_compiled_vae_tiled_decode(patcher, vae, fresh_stats):
