@@ -115,11 +115,14 @@ def _traceable_clone(model: Any) -> tuple[Any, str | None]:
     Newer ComfyUI's dynamic VRAM (on by default on NVIDIA since it came) pages each layer's weights
     in inside the layer's call, through ctypes, which Dynamo cannot trace. Its own TorchCompileModel
     demotes such a ModelPatcher to a regular one first (``clone(disable_dynamic=True)``), and so do
-    we. ComfyUI 0.3.75 has no dynamic patchers (no ``is_dynamic``): a plain clone."""
+    we, through ``get_non_dynamic_delegate`` where it exists (a clone whose rebuilt model the dynamic
+    patcher keeps, so the next prompt reuses it and its compiled graph). ComfyUI 0.3.75 has no
+    dynamic patchers (no ``is_dynamic``): a plain clone."""
     if not _is_dynamic(model):
         return model.clone(), None
     try:
-        return model.clone(disable_dynamic=True), None
+        delegate = getattr(model, "get_non_dynamic_delegate", None)
+        return (delegate() if callable(delegate) else model.clone(disable_dynamic=True)), None
     except (RuntimeError, TypeError) as e:  # a loader that recorded no way to rebuild it as a regular one
         return None, f"{type(e).__name__}: {e}"
 

@@ -103,14 +103,16 @@ def test_first_weight_patch_does_not_recompile(patcher, comfy_inproc, fresh_stat
     assert compiles[1] == compiles[0], compiles
 
 
-def _dynamic(mp, rebuildable=True):
+def _dynamic(mp, rebuildable=True, delegate=True):
     """``mp`` as newer ComfyUI's dynamic-VRAM ModelPatcher declares itself (the host, 0.3.75, has
-    none): ``is_dynamic()``, and ``clone(disable_dynamic=True)`` returning a regular ModelPatcher,
-    or raising as ComfyUI does for a loader that recorded no way to rebuild the model."""
+    none): ``is_dynamic()``, ``clone(disable_dynamic=True)`` returning a regular ModelPatcher (or
+    raising, as ComfyUI does for a loader that recorded no way to rebuild the model), and, with
+    ``delegate``, ``get_non_dynamic_delegate()`` (such a clone)."""
     from comfy.model_patcher import ModelPatcher
 
     class DynamicModelPatcher(ModelPatcher):
         demoted = 0
+        delegated = 0
 
         def is_dynamic(self):
             return True
@@ -124,6 +126,11 @@ def _dynamic(mp, rebuildable=True):
                 n.__class__ = ModelPatcher
             return n
 
+        if delegate:
+            def get_non_dynamic_delegate(self):
+                type(self).delegated += 1
+                return self.clone(disable_dynamic=True)
+
     d = mp.clone()
     d.__class__ = DynamicModelPatcher
     return d
@@ -132,14 +139,18 @@ def _dynamic(mp, rebuildable=True):
 def test_a_dynamic_vram_model_is_compiled_as_a_regular_one(patcher, unet, fresh_stats):
     from comfy.model_patcher import ModelPatcher
 
-    dyn = _dynamic(unet)
     # a config of its own: the module's compiled twin for EAGER may exist from the tests above
-    c = patcher.compile_model_patcher(dyn, nexfort_engine.parse_options({"mode": "O1", "backend": "eager"}),
-                                      node_id="3")
-    assert type(dyn).demoted == 1 and type(c) is ModelPatcher and _nx_wrappers(c)
+    cfg = nexfort_engine.parse_options({"mode": "O1", "backend": "eager"})
+    dyn = _dynamic(unet)
+    c = patcher.compile_model_patcher(dyn, cfg, node_id="3")
+    assert type(dyn).delegated == type(dyn).demoted == 1 and type(c) is ModelPatcher and _nx_wrappers(c)
     assert tm.rel_err(_sample(c), _sample(unet)) <= TOL
     s = fresh_stats()
     assert s["compiles"] >= 1 and s["fallbacks"] == 0
+    # a ComfyUI with clone(disable_dynamic=...) but no get_non_dynamic_delegate
+    old = _dynamic(unet, delegate=False)
+    c = patcher.compile_model_patcher(old, cfg)
+    assert type(old).demoted == 1 and type(c) is ModelPatcher and _nx_wrappers(c)
 
 
 def test_a_dynamic_vram_model_that_cannot_be_made_regular_runs_uncompiled(patcher, unet, fresh_stats, caplog):
