@@ -109,6 +109,16 @@ def _is_dynamic(patcher: Any) -> bool:
     return bool(callable(is_dynamic) and is_dynamic())
 
 
+def _not_compiled(label: str, why: str, node_id: str | None) -> None:
+    """A dynamic-VRAM model left uncompiled: one warning, a counted fallback and its reason."""
+    log.warning("nexfort: %s is loaded with ComfyUI's dynamic VRAM (%s): not compiled; start ComfyUI with "
+                "--disable-dynamic-vram to compile it", label, why)
+    counters.bump(label, "fallbacks")
+    counters.add_reason(label, "fallback", f"dynamic VRAM ({why}): not compiled; start ComfyUI with "
+                                           "--disable-dynamic-vram")
+    counters.set_info(label, state="fallback", node_id=node_id)
+
+
 def _traceable_clone(model: Any) -> tuple[Any, str | None]:
     """A clone of ``model`` whose diffusion model Dynamo can trace, or ``None`` and why not.
 
@@ -135,13 +145,8 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
 
     m, why = _traceable_clone(model)
     if m is None:
-        label = type(model.get_model_object("diffusion_model")).__name__
-        log.warning("nexfort: %s is loaded with ComfyUI's dynamic VRAM and cannot be made a regular model "
-                    "(%s): not compiled; start ComfyUI with --disable-dynamic-vram to compile it", label, why)
-        counters.bump(label, "fallbacks")
-        counters.add_reason(label, "fallback", f"dynamic VRAM, not compiled ({why}); "
-                                               "start ComfyUI with --disable-dynamic-vram")
-        counters.set_info(label, state="fallback", node_id=node_id)
+        _not_compiled(type(model.get_model_object("diffusion_model")).__name__,
+                      f"cannot be made a regular model: {why}", node_id)
         m = model.clone()
         m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
         return m
@@ -231,12 +236,7 @@ def compile_vae(vae: Any, config: CompileConfig, node_id: str | None = None) -> 
         inner = inner.inner
     new = copy.copy(vae)
     if _is_dynamic(getattr(vae, "patcher", None)):
-        label = f"{type(inner).__name__}.decode"
-        log.warning("nexfort: the VAE (%s) is loaded with ComfyUI's dynamic VRAM: not compiled; start ComfyUI "
-                    "with --disable-dynamic-vram to compile it", type(inner).__name__)
-        counters.bump(label, "fallbacks")
-        counters.add_reason(label, "fallback", "dynamic VRAM, not compiled; start ComfyUI with --disable-dynamic-vram")
-        counters.set_info(label, state="fallback", node_id=node_id)
+        _not_compiled(f"{type(inner).__name__}.decode", "a VAE", node_id)
         new.first_stage_model = inner
         return new
     new.first_stage_model = _CompiledVAEModel(inner, config, node_id)
