@@ -133,7 +133,7 @@ def _traceable_clone(model: Any) -> tuple[Any, str | None]:
     try:
         delegate = getattr(model, "get_non_dynamic_delegate", None)
         return (delegate() if callable(delegate) else model.clone(disable_dynamic=True)), None
-    except (RuntimeError, TypeError) as e:  # a loader that recorded no way to rebuild it as a regular one
+    except Exception as e:  # noqa: BLE001 - no recorded way to rebuild it, its file gone, memory: run it as it is
         return None, f"{type(e).__name__}: {e}"
 
 

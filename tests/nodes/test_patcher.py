@@ -103,11 +103,12 @@ def test_first_weight_patch_does_not_recompile(patcher, comfy_inproc, fresh_stat
     assert compiles[1] == compiles[0], compiles
 
 
-def _dynamic(mp, rebuildable=True, delegate=True):
+def _dynamic(mp, error=None, delegate=True):
     """``mp`` as newer ComfyUI's dynamic-VRAM ModelPatcher declares itself (the host, 0.3.75, has
     none): ``is_dynamic()``, ``clone(disable_dynamic=True)`` returning a regular ModelPatcher (or
-    raising, as ComfyUI does for a loader that recorded no way to rebuild the model), and, with
-    ``delegate``, ``get_non_dynamic_delegate()`` (such a clone)."""
+    raising ``error``, as ComfyUI does for a loader that recorded no way to rebuild the model, or
+    whose checkpoint file is gone), and, with ``delegate``, ``get_non_dynamic_delegate()`` (such a
+    clone)."""
     from comfy.model_patcher import ModelPatcher
 
     class DynamicModelPatcher(ModelPatcher):
@@ -120,8 +121,8 @@ def _dynamic(mp, rebuildable=True, delegate=True):
         def clone(self, disable_dynamic=False):
             n = super().clone()
             if disable_dynamic:
-                if not rebuildable:
-                    raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
+                if error is not None:
+                    raise error
                 type(self).demoted += 1
                 n.__class__ = ModelPatcher
             return n
@@ -153,8 +154,12 @@ def test_a_dynamic_vram_model_is_compiled_as_a_regular_one(patcher, unet, fresh_
     assert type(old).demoted == 1 and type(c) is ModelPatcher and _nx_wrappers(c)
 
 
-def test_a_dynamic_vram_model_that_cannot_be_made_regular_runs_uncompiled(patcher, unet, fresh_stats, caplog):
-    dyn = _dynamic(unet, rebuildable=False)
+@pytest.mark.parametrize("error", [
+    RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized."),
+    FileNotFoundError("model.safetensors"),
+], ids=["no-init", "file-gone"])
+def test_a_dynamic_vram_model_that_cannot_be_made_regular_runs_uncompiled(patcher, unet, fresh_stats, caplog, error):
+    dyn = _dynamic(unet, error=error)
     with caplog.at_level("WARNING"):
         c = patcher.compile_model_patcher(dyn, nexfort_engine.parse_options(EAGER), node_id="4")
     assert c is not dyn and not _nx_wrappers(c) and c.is_dynamic()
@@ -164,6 +169,7 @@ def test_a_dynamic_vram_model_that_cannot_be_made_regular_runs_uncompiled(patche
     assert s["compiles"] == 0 and s["fallbacks"] == 1
     [rec] = [r for r in s["models"].values() if r["fallbacks"]]
     assert rec["node_ids"] == ["4"] and "--disable-dynamic-vram" in rec["fallback_reasons"][0]
+    assert type(error).__name__ in rec["fallback_reasons"][0]
 
 
 # -- VAE ----------------------------------------------------------------------------------------
