@@ -120,7 +120,8 @@ def _not_compiled(label: str, why: str, node_id: str | None) -> None:
 
 
 def _traceable_clone(model: Any) -> tuple[Any, str | None]:
-    """A clone of ``model`` whose diffusion model Dynamo can trace, or ``None`` and why not.
+    """A clone of ``model`` whose diffusion model Dynamo can trace and ``None``, or a plain clone and
+    why it could not be made traceable.
 
     Newer ComfyUI's dynamic VRAM (on by default on NVIDIA since it came) pages each layer's weights
     in inside the layer's call, through ctypes, which Dynamo cannot trace. Its own TorchCompileModel
@@ -134,7 +135,7 @@ def _traceable_clone(model: Any) -> tuple[Any, str | None]:
         delegate = getattr(model, "get_non_dynamic_delegate", None)
         return (delegate() if callable(delegate) else model.clone(disable_dynamic=True)), None
     except Exception as e:  # noqa: BLE001 - no recorded way to rebuild it, its file gone, memory: run it as it is
-        return None, f"{type(e).__name__}: {e}"
+        return model.clone(), f"{type(e).__name__}: {e}"
 
 
 def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None = None) -> Any:
@@ -144,13 +145,11 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
     from comfy.patcher_extension import WrappersMP
 
     m, why = _traceable_clone(model)
-    if m is None:
+    m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    if why is not None:
         _not_compiled(type(model.get_model_object("diffusion_model")).__name__,
                       f"cannot be made a regular model: {why}", node_id)
-        m = model.clone()
-        m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
         return m
-    m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
 
     def nexfort_apply_model(executor: Any, *args: Any, **kwargs: Any) -> Any:
         base = executor.class_obj  # comfy.model_base.BaseModel
