@@ -134,6 +134,10 @@ def nexfort_counts() -> dict[str, Any]:
         # "background": true - each model's child process (state, its wall time until done)
         "background": {k: m["background"] for k, m in s.get("models", {}).items() if m.get("background")},
         "background_seconds": float(s.get("background_seconds", 0.0)),
+        # "static_first": the static graph each model's first call compiled (or why not), and calls
+        # of other shapes that ran eager while the dynamic graph compiled in the background
+        "static_first": {k: m["static_first"] for k, m in s.get("models", {}).items() if m.get("static_first")},
+        "static_first_eager_calls": int(s.get("static_first_eager_calls", 0)),
         # "compile_workers": the cut and where the parts were compiled, per model
         "compile_parts": {k: {"parts": m.get("compile_parts", ""),
                               "own_s": m.get("compile_parts_own_seconds", 0.0),

@@ -62,6 +62,10 @@ ENV_RUN_AS_COMPILED = "NEXFORT_RUN_AS_COMPILED"
 #: a size Dynamo specialised); past it the module compiles through ``torch.compile``
 MAX_PRECOMPILED = 8
 
+#: a static-shape graph held for ``"static_first"`` returns this for a call it does not fit,
+#: instead of compiling another graph
+_NO_FIT = object()
+
 
 def precompile_enabled() -> bool:
     return env_switch(ENV_PRECOMPILE)
@@ -163,6 +167,12 @@ class CompiledModule(torch.nn.Module):
         self._nx_block_hook = block_hook
         #: ``"background": true``: the child process compiling, and what it needs set first
         self._nx_job: background.Job | None = None
+        #: ``"static_first"``: the static-shape twin that compiled the first call, run for the calls
+        #: it fits until the dynamic graph is loaded; whether it ran (a later compile here is then a
+        #: recompile); set in the twin: it returns :data:`_NO_FIT` instead of compiling again
+        self._nx_static: CompiledModule | None = None
+        self._nx_static_ran = False
+        self._nx_fits_only = False
         self._nx_child_globals = child_globals
         self._nx_method = method
         self._nx_config = config
@@ -750,6 +760,8 @@ class CompiledModule(torch.nn.Module):
         artifact, why = self._aot_find(call_args, kwargs, example)
         if artifact is not None:
             return artifact(*call_args, **kwargs)
+        if self._nx_fits_only:
+            return _NO_FIT
         if len(self._nx_aot_artifacts) < MAX_PRECOMPILED:
             if self._nx_aot_artifacts:
                 self._nx_recompile_reason = f"precompiled graph guards: {why}"
@@ -1061,6 +1073,8 @@ class CompiledModule(torch.nn.Module):
                 torch.compiler.cudagraph_mark_step_begin()
             out = self._nx_compiled(*args, **kwargs) if self._nx_aot else self._call_traced(args, kwargs)
         dt = time.perf_counter() - t0
+        if out is _NO_FIT:
+            return out
         if self._nx_cudagraphs and (skipped := _cudagraph_skips() - skips0):
             counters.bump(self._nx_label, "cudagraph_skips", skipped)
         new = self._nx_graphs - graphs0
@@ -1112,10 +1126,14 @@ class CompiledModule(torch.nn.Module):
 
     def _after_compile(self, new: int, seconds: float, hits: int, misses: int) -> None:
         label = self._nx_label
-        first = self._nx_graphs == new and not self._nx_aot_used  # (a loaded graph ran first)
+        # (a loaded graph, or a static_first twin's, ran first)
+        first = self._nx_graphs == new and not self._nx_aot_used and not self._nx_static_ran
         counters.bump(label, "compiles", new)
         # a first call makes one graph, or one per region under regional compilation
         recompiles = max(0, new - (len(self._nx_regions) or 1)) if first else new
+        if recompiles and self._nx_static_ran and not self._nx_recompile_reason:
+            self._nx_recompile_reason = "static_first: a shape the static graph does not fit, and no dynamic graph " \
+                "from the background compile"
         if recompiles:
             counters.bump(label, "recompiles", recompiles)
             reason, self._nx_recompile_reason = self._nx_recompile_reason or _last_recompile_reason(), None
@@ -1155,7 +1173,8 @@ class CompiledModule(torch.nn.Module):
             log.info("nexfort: cache entry %s committed (%d bytes) in %s", entry.key, size, entry.path)
 
     # -- background compile (background.py)
-    def _start_background(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> bool:
+    def _start_background(self, args: tuple, kwargs: dict, example: torch.Tensor | None,
+                          workers: int | None = 1) -> bool:
         """Start compiling in a child process; ``False`` (and why, in the counters and the log)
         where this call compiles in the foreground instead: a warm entry loads faster here."""
         entry = self._nx_entry
@@ -1174,8 +1193,9 @@ class CompiledModule(torch.nn.Module):
             try:
                 self._nx_job = background.start(
                     root=self._nx_store.root, key=entry.key, module=self._orig_mod, args=args, kwargs=kwargs,
-                    # one process: a background compile leaves the cores to the eager steps
-                    config=dataclasses.replace(self._nx_config, background=False, compile_workers=1),
+                    # one process by default: a background compile leaves the cores to the eager steps
+                    config=dataclasses.replace(self._nx_config, background=False, static_first=False,
+                                               compile_workers=workers),
                     label=self._nx_name,
                     method=self._nx_method, block_hook=self._nx_block_hook if self._nx_regions else None,
                     skip=(CompiledModule,), child_globals=self._nx_child_globals,
@@ -1204,15 +1224,103 @@ class CompiledModule(torch.nn.Module):
         # (it fails here too if the model cannot be compiled, and runs eager as usual)
         why = report.get("crashed") or (f"its compile fell back to eager: {report['failed']}" if report.get("failed")
                                         else None)
+        # a static_first twin keeps running the calls it fits: the state is its, until another shape
+        state = "compiled" if self._nx_static is not None else "pending"
         if why:
-            counters.set_info(self._nx_label, state="pending", background=f"failed: {why}")
-            log.warning("nexfort: %s: the background compile did not succeed (%s); compiling in the foreground",
-                        self._nx_label, why)
+            counters.set_info(self._nx_label, state=state, background=f"failed: {why}")
+            log.warning("nexfort: %s: the background compile did not succeed (%s); compiling in the foreground%s",
+                        self._nx_label, why, " at the first shape the static graph does not fit"
+                        if self._nx_static is not None else "")
             return
         seconds = float(report.get("wall_seconds", 0.0))
         counters.add_seconds(self._nx_label, "background", seconds)
         counters.set_info(self._nx_label, background=f"done in {seconds:.1f}s")
-        log.info("nexfort: %s: background compile done in %.1fs; loading it", self._nx_label, seconds)
+        if self._nx_static is not None:
+            counters.set_info(self._nx_label, state=state)
+        log.info("nexfort: %s: background compile done in %.1fs; loading it%s", self._nx_label, seconds,
+                 " at the first shape the static graph does not fit" if self._nx_static is not None else "")
+
+    # -- static shape first (``"static_first"``): the first call's own shape, the dynamic graph behind
+    def _static_first_off(self, example: torch.Tensor | None) -> str | None:
+        """Why the first call compiles the dynamic graph itself (``None``: its static twin first)."""
+        cfg = self._nx_config
+        if cfg.static_first is False:
+            return "the option is off"
+        if not cfg.dynamic:
+            return "static shape: the one graph is static"
+        if self._nx_entry is None or self._nx_store is None:
+            return "no cache directory (the dynamic graph comes back through the cache)"
+        if "freezing" in cfg.flags:
+            return "the freezing flag bakes the weights into the graph (the background child has zeros)"
+        if not self._nx_aot:
+            return ("only a whole model's saved graph with the Inductor backend (regional and fp8 graphs compile "
+                    "through torch.compile)")
+        if self._nx_entry.committed(self._nx_env):
+            return "the dynamic graph's cache entry is warm"
+        if cfg.static_first is None and (example is None or not example.is_cuda):
+            return "auto: CUDA devices only"
+        return None
+
+    def _compile_static_first(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> Any:
+        """The first call, cold: compile a static-shape twin for its shape (its own cache entry; a
+        static graph costs AOTAutograd and Inductor about half the work of a dynamic one), run it,
+        then hand the dynamic compile to a child process (background.py)."""
+        cfg = self._nx_config
+        twin = CompiledModule(
+            self._orig_mod, dataclasses.replace(cfg, dynamic=False, static_first=False, background=False),
+            self._nx_store, label=f"{self._nx_name} (static)", method=self._nx_method,
+            block_hook=self._nx_block_hook, child_globals=self._nx_child_globals,
+        )
+        t0 = time.perf_counter()
+        out = twin(*args, **kwargs)
+        seconds = time.perf_counter() - t0
+        if twin.failed is not None:  # the dynamic graph would fail the same way: eager from now on
+            self._nx_failed = twin.failed
+            counters.set_info(self._nx_label, state="fallback", static_first=f"failed: {twin.failed}")
+            return out
+        self._nx_static_ran = True
+        shape = tuple(example.shape) if example is not None else ()
+        if not twin._nx_aot:  # compiled through torch.compile: its guards are not ours to check
+            self._nx_first_pending = True
+            counters.set_info(self._nx_label, static_first=f"static graph for {shape} not kept: no saved graph "
+                              f"({twin.label}); the next call compiles the dynamic graph")
+            return out
+        twin._nx_fits_only = True
+        # not a submodule (its state dict would repeat the model's)
+        object.__setattr__(self, "_nx_static", twin)
+        counters.set_info(self._nx_label, static_first=f"static graph for {shape} in {seconds:.1f}s ({twin.label})")
+        if self._start_background(args, kwargs, example, workers=cfg.compile_workers):
+            log.info("nexfort: %s: ran a static graph for %s (%.1fs); the dynamic graph compiles in the background",
+                     self._nx_label, shape, seconds)
+        else:
+            # no child: the first call of another shape compiles the dynamic graph here (a recompile)
+            self._nx_first_pending = True
+            counters.set_info(self._nx_label, state="compiled")
+        return out
+
+    def _static_call(self, args: tuple, kwargs: dict) -> Any:
+        """Run the static twin if its graph fits the call, else :data:`_NO_FIT`."""
+        twin = self._nx_static
+        assert twin is not None
+        out = twin._call_compiled(args, kwargs)
+        if out is not _NO_FIT:
+            counters.bump(twin.label, "calls")
+        return out
+
+    def _while_background(self, args: tuple, kwargs: dict) -> Any:
+        """A call while the child compiles: the static twin where it fits, else eager."""
+        if self._nx_static is not None:
+            if (out := self._static_call(args, kwargs)) is not _NO_FIT:
+                return out
+            counters.bump(self._nx_label, "static_first_eager_calls")
+        return self._eager(*args, **kwargs)
+
+    def _drop_static(self, why: str) -> None:
+        twin, self._nx_static = self._nx_static, None
+        assert twin is not None
+        log.info("nexfort: %s: static graph %s retired (%s); the dynamic graph runs from now on", self._nx_label,
+                 twin.label, why)
+        counters.set_info(twin.label, state="retired")
 
     def _fall_back(self, err: BaseException) -> None:
         root = _exception_chain(err)[-1]  # the backend's own error, not Dynamo's wrapper
@@ -1237,10 +1345,12 @@ class CompiledModule(torch.nn.Module):
         try:
             if self._nx_job is not None:
                 if not self._nx_job.done():
-                    return self._eager(*args, **kwargs)
+                    return self._while_background(args, kwargs)
                 with _compile_lock:
                     if self._nx_job is not None:
                         self._background_finished()
+            if self._nx_static is not None and (out := self._static_call(args, kwargs)) is not _NO_FIT:
+                return out
             if self._nx_compiled is None or self._nx_first_pending:
                 with _compile_lock:
                     if self._nx_compiled is None or self._nx_first_pending:
@@ -1255,6 +1365,12 @@ class CompiledModule(torch.nn.Module):
                             counters.set_phase(self._nx_label, "setup", time.perf_counter() - t_setup)
                             if self._nx_config.background and self._start_background(args, kwargs, example):
                                 return self._eager(*args, **kwargs)
+                            if (why := self._static_first_off(example)) is None:
+                                return self._compile_static_first(args, kwargs, example)
+                            if self._nx_config.static_first:
+                                counters.set_info(self._nx_label, static_first=f"off: {why}")
+                        if self._nx_static is not None:  # the dynamic graph replaces it from now on
+                            self._drop_static("a shape it does not fit")
                         self._nx_first_pending = False
                         out = self._first_call(args, kwargs)
                         if self._nx_store is not None:

@@ -25,6 +25,9 @@ COUNTERS = (
     # CUDA-graph skips Inductor reported during our calls: a graph (or a call of it) that ran
     # kernel by kernel instead of being replayed; the reason is logged under TORCH_LOGS=cudagraphs
     "cudagraph_skips",
+    # "static_first": calls of a shape the static graph does not fit, run eager while the dynamic
+    # graph compiled in the background
+    "static_first_eager_calls",
 )
 
 _lock = threading.Lock()
@@ -76,6 +79,8 @@ class _Record:
     #: ``"background": true`` (background.py): "running (pid N)", "done in Xs", "failed after Xs",
     #: "crashed: <why>" or "off: <why>"; the child's wall time until it was done
     background: str = ""
+    #: ``"static_first"`` (compiler.py): the static graph the first call compiled, or why it did not
+    static_first: str = ""
     background_seconds: float = 0.0
     #: ``"compile_workers"`` (split.py): "N parts, M from child processes[; part i compiled here: why]"
     #: or "off: <why>"; the seconds the caller spent compiling its own parts, then waiting for the rest
@@ -132,6 +137,7 @@ class _Record:
             precompiled_late_size_guards=list(self.precompiled_late_size_guards),
             trace_stand_ins=self.trace_stand_ins,
             background=self.background,
+            static_first=self.static_first,
             background_seconds=round(self.background_seconds, 3),
             compile_parts=self.compile_parts,
             compile_parts_own_seconds=round(self.compile_parts_own_seconds, 3),

@@ -90,6 +90,7 @@ TOP_LEVEL_KEYS = (
     "fp8_attention",
     "background",
     "compile_workers",
+    "static_first",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -154,6 +155,12 @@ class CompileConfig:
     #: this many parts, compiled at once by child processes and the caller; None = auto, 1 = one
     #: graph compiled in the caller
     compile_workers: int | None = None
+    #: dynamic shape, cold entry: the first call compiles a static-shape graph for its own shape
+    #: (about half the work of a dynamic one), and a child process compiles the dynamic graph into
+    #: the cache meanwhile; calls of that shape run the static graph, other shapes eager until the
+    #: dynamic graph is loaded (compiler.py, background.py). None = auto (on for a whole model's
+    #: saved graph on a CUDA device with a cache directory), True/False = where it can / never
+    static_first: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -340,6 +347,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         fp8_attention=_as_optional_bool("fp8_attention", options.get("fp8_attention")),
         background=_as_bool("background", options.get("background", False)),
         compile_workers=_as_workers(options.get("compile_workers")),
+        static_first=_as_optional_bool("static_first", options.get("static_first")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

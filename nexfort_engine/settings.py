@@ -156,6 +156,7 @@ class Settings:
         d.pop("regional", None)
         d.pop("background", None)  # where it compiles, not what: a background compile fills the same entry
         d.pop("compile_workers", None)  # how many processes compile, not what runs: any count fills one entry
+        d.pop("static_first", None)  # the order graphs are made in, not what runs: the dynamic entry is the same
         d.pop("spatial_multiple", None)  # the effective multiple is in the structure key (compiler.py)
         if self.fp8:
             d["fp8"] = True

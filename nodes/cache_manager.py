@@ -115,6 +115,8 @@ def report(store: CacheStore, message: str = "") -> str:
         if phases := [f"{name} {m['compile_phases'][key]:.1f}s" for key, name in _PHASES
                       if key in (m.get("compile_phases") or {})]:  # where the first call's time went
             lines.append("    first call: " + ", ".join(phases))
+        if m.get("static_first"):  # "static_first": the first call's static graph, the dynamic one behind
+            lines.append(f"    static first: {m['static_first']}")
         if m.get("background"):  # "background": true - the child process compiling it, or why not
             lines.append(f"    background compile: {m['background']}")
         if m.get("compile_parts"):  # "compile_workers": the graph cut into parts compiled by children

@@ -1,0 +1,154 @@
+"""``"static_first"``: a cold first call compiles a static-shape graph for its own shape and runs it,
+while a child process compiles the dynamic graph into the cache (compiler.py, background.py).
+
+The option's validation and its place outside the cache key, the reasons it stays off, and - with
+real Inductor compiles - the whole life of the static graph: it runs the calls it fits while the
+child compiles, other shapes run eager, it keeps running its own shape after the child is done,
+and the first call of another shape loads the dynamic graph (nothing compiled, no recompile).
+Where no dynamic graph comes back (the child died), that call compiles it here and it counts as
+the recompile it is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import nexfort_engine
+from nexfort_engine import background
+from nexfort_engine.options import OptionsError, parse_options
+from nexfort_engine.settings import resolve
+
+CHILD_TIMEOUT_S = 600
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 128)
+        self.b = torch.nn.Linear(128, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().eval().requires_grad_(False)
+
+
+def _records(stats) -> tuple[dict, dict]:
+    """(the model's record, its static twin's)."""
+    models = stats()["models"]
+    twin = [v for k, v in models.items() if " (static)" in k]
+    main = [v for k, v in models.items() if " (static)" not in k]
+    assert len(main) == 1 and len(twin) <= 1, models
+    return main[0], (twin[0] if twin else {})
+
+
+def _wait_done(cm: nexfort_engine.CompiledModule) -> None:
+    job = cm._nx_job
+    assert job is not None
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while not job.done():
+        assert time.monotonic() < deadline, f"child still running; log: {job.path / background.LOG_FILE}"
+        time.sleep(0.5)
+
+
+def test_option_is_validated_and_shares_the_entry():
+    with pytest.raises(OptionsError, match="static_first"):
+        parse_options({"static_first": "soon"})
+    digests = {resolve(c, cuda=False).digest(c)
+               for c in (parse_options({"static_first": v}) for v in (True, False, None))}
+    assert len(digests) == 1  # the dynamic graph's entry is the same, whatever the order
+
+
+@pytest.mark.parametrize("case", ["backend", "no_cache", "static", "freezing"])
+def test_off_where_it_cannot_apply(case, tmp_path, fresh_stats, clean_dynamo):
+    opts: dict = {"static_first": True, "backend": "eager"}
+    cache_dir = tmp_path
+    if case == "no_cache":
+        opts["backend"], cache_dir = "inductor", None
+    elif case == "static":
+        opts["dynamic"] = False
+    elif case == "freezing":
+        opts["mode"] = "O2:freezing"
+    net = _net()
+    cm = nexfort_engine.compile(net, opts, cache_dir=cache_dir)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        out = cm(x)
+    main, twin = _records(fresh_stats)
+    expected = {"backend": "saved graph", "no_cache": "no cache directory", "static": "static shape",
+                "freezing": "freezing"}
+    assert main["static_first"].startswith("off: ") and expected[case] in main["static_first"], main
+    assert not twin and cm._nx_job is None and cm._nx_static is None
+    torch.testing.assert_close(out, net(x))
+
+
+def test_auto_stays_off_on_the_cpu(tmp_path, fresh_stats, clean_dynamo):
+    cm = nexfort_engine.compile(_net(), {"backend": "eager"}, cache_dir=tmp_path)
+    assert cm._static_first_off(torch.zeros(1)) is not None
+    cm._nx_aot = True
+    cm._setup(torch.zeros(1))
+    cm._nx_aot = True
+    assert cm._static_first_off(torch.zeros(1)) == "auto: CUDA devices only"
+
+
+@pytest.mark.inductor
+def test_static_graph_then_the_dynamic_one(tmp_path, fresh_stats, clean_dynamo):
+    net = _net()
+    x, y = torch.randn(3, 64), torch.randn(5, 64)
+    cm = nexfort_engine.compile(net, {"mode": "O1", "static_first": True}, cache_dir=tmp_path)
+    with torch.no_grad():
+        ref_x, ref_y = net(x), net(y)
+        torch.testing.assert_close(cm(x), ref_x, rtol=1e-4, atol=1e-5)  # the static graph, compiled here
+        main, twin = _records(fresh_stats)
+        assert main["static_first"].startswith("static graph for (3, 64) in "), main
+        assert main["state"] == "background" and main["background"].startswith("running"), main
+        assert twin["compiles"] == 1 and twin["state"] == "compiled" and twin["precompiled_graphs"] == 1
+        static_entry = cm._nx_static.cache_entry
+        assert static_entry is not None and static_entry.committed()
+        assert static_entry.key != cm.cache_entry.key  # its own entry: a restart loads it
+
+        child_running = not cm._nx_job.done()
+        torch.testing.assert_close(cm(x), ref_x, rtol=1e-4, atol=1e-5)  # its own shape: the static graph
+        torch.testing.assert_close(cm(y), ref_y)  # another shape while the child compiles: eager
+        main, twin = _records(fresh_stats)
+        assert twin["calls"] == 2 and twin["compiles"] == 1 and twin["recompiles"] == 0
+        if child_running:
+            assert main["static_first_eager_calls"] == 1
+
+        _wait_done(cm)
+        torch.testing.assert_close(cm(x), ref_x, rtol=1e-4, atol=1e-5)  # done: the static graph still fits
+        main, twin = _records(fresh_stats)
+        assert twin["calls"] == 3 and main["background"].startswith("done in ") and twin["state"] == "compiled"
+        assert main["state"] == "compiled"  # no longer "background": the bench's samplings stop here
+
+        torch.testing.assert_close(cm(y), ref_y, rtol=1e-4, atol=1e-5)  # another shape: the dynamic graph
+        torch.testing.assert_close(cm(x), ref_x, rtol=1e-4, atol=1e-5)  # and it serves every shape now
+    main, twin = _records(fresh_stats)
+    assert cm._nx_static is None and twin["state"] == "retired" and twin["calls"] == 3
+    assert main["state"] == "compiled" and main["compiles"] == 0 and main["recompiles"] == 0, main
+    assert main["cache_hits"] == 1 and main["precompiled_graphs"] == 1 and main["fallbacks"] == 0
+    assert cm.cache_entry.committed()
+
+
+@pytest.mark.inductor
+def test_no_dynamic_graph_from_the_child_is_a_recompile(tmp_path, fresh_stats, clean_dynamo):
+    net = _net()
+    x, y = torch.randn(3, 64), torch.randn(5, 64)
+    cm = nexfort_engine.compile(net, {"mode": "O1", "static_first": True}, cache_dir=tmp_path)
+    cm._nx_child_globals = (("nexfort_no_such_module", "x", 1),)  # the child's import fails
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), net(x), rtol=1e-4, atol=1e-5)
+        _wait_done(cm)
+        torch.testing.assert_close(cm(x), net(x), rtol=1e-4, atol=1e-5)  # still the static graph
+        torch.testing.assert_close(cm(y), net(y), rtol=1e-4, atol=1e-5)  # compiled here
+    main, twin = _records(fresh_stats)
+    assert main["background"].startswith("failed: exit code 1"), main
+    assert main["compiles"] == 1 and main["recompiles"] == 1 and main["fallbacks"] == 0, main
+    assert any("static_first" in r for r in main["recompile_reasons"]), main
+    assert twin["calls"] == 2 and twin["state"] == "retired"
