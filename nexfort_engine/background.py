@@ -151,6 +151,23 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+def snapshot(value: Any, depth: int = 0) -> Any:
+    """``value`` with its dicts, lists and tuples copied (4 levels deep), the rest shared: a call's
+    inputs as the call received them, for a job pickled after the call ran. ComfyUI's UNet adds keys
+    to its ``transformer_options`` while it runs (``original_shape``, ``transformer_index``, ...): a
+    child tracing the dict as the call left it would save a graph whose guards expect those keys,
+    and the next call, with a fresh dict, would fail them."""
+    if depth > 4:
+        return value
+    if type(value) is dict:
+        return {k: snapshot(v, depth + 1) for k, v in value.items()}
+    if type(value) is list:
+        return [snapshot(v, depth + 1) for v in value]
+    if type(value) is tuple:
+        return tuple(snapshot(v, depth + 1) for v in value)
+    return value
+
+
 def dumps(obj: Any, skip: tuple[type, ...] = ()) -> bytes:
     """Pickle ``obj`` for the child (see the module docstring); instances of ``skip`` become None.
     Raises :class:`Unavailable` naming what could not be pickled."""

@@ -1271,6 +1271,8 @@ class CompiledModule(torch.nn.Module):
             self._nx_store, label=f"{self._nx_name} (static)", method=self._nx_method,
             block_hook=self._nx_block_hook, child_globals=self._nx_child_globals,
         )
+        # the inputs as this call gets them, for the child: the call may add to its dicts
+        job_args, job_kwargs = background.snapshot(args), background.snapshot(kwargs)
         t0 = time.perf_counter()
         out = twin(*args, **kwargs)
         seconds = time.perf_counter() - t0
@@ -1289,7 +1291,7 @@ class CompiledModule(torch.nn.Module):
         # not a submodule (its state dict would repeat the model's)
         object.__setattr__(self, "_nx_static", twin)
         counters.set_info(self._nx_label, static_first=f"static graph for {shape} in {seconds:.1f}s ({twin.label})")
-        if self._start_background(args, kwargs, example, workers=cfg.compile_workers):
+        if self._start_background(job_args, job_kwargs, example, workers=cfg.compile_workers):
             log.info("nexfort: %s: ran a static graph for %s (%.1fs); the dynamic graph compiles in the background",
                      self._nx_label, shape, seconds)
         else:
