@@ -167,3 +167,30 @@ def test_no_dynamic_graph_from_the_child_is_a_recompile(tmp_path, fresh_stats, c
     assert main["compiles"] == 1 and main["recompiles"] == 1 and main["fallbacks"] == 0, main
     assert any("static_first" in r for r in main["recompile_reasons"]), main
     assert twin["calls"] == 2 and twin["state"] == "retired"
+
+
+@pytest.mark.inductor
+def test_comfy_unet_static_first_then_another_size(patcher, tmp_path, monkeypatch, fresh_stats, clean_dynamo):
+    """ComfyUI's SD1.5 UNet through the node layer, sampled by ComfyUI's sampler: the first size
+    runs the static graph, the child's dynamic graph loads at the second size with nothing compiled
+    and no recompile (ComfyUI's UNet adds to ``transformer_options`` while it runs)."""
+    import tiny_models
+
+    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(tmp_path))
+    mp = tiny_models.tiny_sd15()
+    (h, w), (h2, w2) = tiny_models.RESOLUTIONS["sd15"][:2]
+    ref, ref2 = tiny_models.sample(mp, h, w, steps=2), tiny_models.sample(mp, h2, w2, steps=2)
+    m = patcher.compile_model_patcher(mp, parse_options({"mode": "O1", "static_first": True}))
+    out = tiny_models.sample(m, h, w, steps=2)
+    main, twin = _records(fresh_stats)
+    assert main["static_first"].startswith(f"static graph for (2, 4, {h // 8}, {w // 8}) in "), main
+    assert twin["compiles"] == 1 and twin["calls"] == 2, twin  # two steps
+    cm = next(iter(mp.model.diffusion_model.__dict__[patcher._ATTR].values()))
+    _wait_done(cm)
+    out_again = tiny_models.sample(m, h, w, steps=2)  # still the static graph
+    out2 = tiny_models.sample(m, h2, w2, steps=2)  # the dynamic graph, loaded
+    main, twin = _records(fresh_stats)
+    assert main["compiles"] == 0 and main["recompiles"] == 0 and main["cache_hits"] == 1, main
+    assert twin["calls"] == 4 and twin["state"] == "retired" and main["fallbacks"] == 0
+    for got, want in ((out, ref), (out_again, ref), (out2, ref2)):
+        assert tiny_models.rel_err(got, want) <= 1e-3
