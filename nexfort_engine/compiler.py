@@ -1259,6 +1259,8 @@ class CompiledModule(torch.nn.Module):
             return "the dynamic graph's cache entry is warm"
         if cfg.static_first is None and (example is None or not example.is_cuda):
             return "auto: CUDA devices only"
+        if cfg.static_first is None and self._nx_method != "forward":
+            return "auto: a model's forward only (a VAE's decode compiles its dynamic graph at once)"
         return None
 
     def _compile_static_first(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> Any:
