@@ -72,6 +72,10 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             "compiles a UNet's graph in this process only (by default on a GPU, up to 8 processes "
             "compile parts of it at once: SDXL ~51 s cold on an H100 host, where ComfyUI's own compile "
             "took 81 s; the workers get the graph's parts, not the weights). "
+            'By default on a GPU, a UNet\'s first compile is static-shape for the first size (SDXL '
+            "~31-40 s cold on an H100, ComfyUI's own 79-80 s) while a background process compiles the "
+            "any-size graph, used from the first other size on (other sizes run uncompiled until it is "
+            'ready); {"static_first": false} compiles the any-size graph at once. '
             "Validated when the prompt is queued.",
         )
     )
