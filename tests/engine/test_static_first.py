@@ -194,3 +194,29 @@ def test_comfy_unet_static_first_then_another_size(patcher, tmp_path, monkeypatc
     assert twin["calls"] == 4 and twin["state"] == "retired" and main["fallbacks"] == 0
     for got, want in ((out, ref), (out_again, ref), (out2, ref2)):
         assert tiny_models.rel_err(got, want) <= 1e-3
+
+
+@pytest.mark.inductor
+def test_a_restart_before_the_child_is_done_loads_the_static_graph(tmp_path, fresh_stats, clean_dynamo):
+    """ComfyUI exits while the child compiles (the child exits with it): the next start loads the
+    static graph from its entry (nothing compiled) and starts the child again."""
+    net = _net()
+    x = torch.randn(3, 64)
+    cm = nexfort_engine.compile(net, {"mode": "O1", "static_first": True}, cache_dir=tmp_path)
+    with torch.no_grad():
+        cm(x, opts={"k": 1})
+    job = cm._nx_job
+    assert job is not None
+    job.cancel()  # as at ComfyUI's exit
+    job.proc.wait(timeout=30)
+    assert not cm.cache_entry.committed()  # no dynamic graph
+
+    nexfort_engine.reset_stats()
+    torch._dynamo.reset()
+    cm2 = nexfort_engine.compile(_net(), {"mode": "O1", "static_first": True}, cache_dir=tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(cm2(x, opts={"k": 1}), net(x), rtol=1e-4, atol=1e-5)
+    main, twin = _records(fresh_stats)
+    assert twin["compiles"] == 0 and twin["cache_hits"] == 1 and twin["precompiled_graphs"] == 1, twin
+    assert main["state"] == "background" and main["background"].startswith("running"), main
+    cm2._nx_job.cancel()
