@@ -1276,7 +1276,11 @@ class CompiledModule(torch.nn.Module):
         # the inputs as this call gets them, for the child: the call may add to its dicts
         job_args, job_kwargs = background.snapshot(args), background.snapshot(kwargs)
         t0 = time.perf_counter()
-        out = twin(*args, **kwargs)
+        try:
+            out = twin(*args, **kwargs)
+        except BaseException:  # an interrupted prompt (PASSTHROUGH): the next call starts over
+            self._nx_compiled = None
+            raise
         seconds = time.perf_counter() - t0
         if twin.failed is not None:  # the dynamic graph would fail the same way: eager from now on
             self._nx_failed = twin.failed

@@ -220,3 +220,33 @@ def test_a_restart_before_the_child_is_done_loads_the_static_graph(tmp_path, fre
     assert twin["compiles"] == 0 and twin["cache_hits"] == 1 and twin["precompiled_graphs"] == 1, twin
     assert main["state"] == "background" and main["background"].startswith("running"), main
     cm2._nx_job.cancel()
+
+
+@pytest.mark.inductor
+def test_an_interrupted_first_call_starts_over(tmp_path, fresh_stats, clean_dynamo, monkeypatch):
+    """The user interrupts the first prompt while the static graph compiles: the next call compiles
+    it again (static first, not the dynamic graph in the foreground)."""
+    from nexfort_engine import compiler
+
+    first_call = compiler.CompiledModule._first_call
+    interrupted: list[str] = []
+
+    def interrupt_once(self, args, kwargs):
+        if " (static)" in self.label and not interrupted:
+            interrupted.append(self.label)
+            raise KeyboardInterrupt
+        return first_call(self, args, kwargs)
+
+    monkeypatch.setattr(compiler.CompiledModule, "_first_call", interrupt_once)
+    net = _net()
+    x = torch.randn(3, 64)
+    cm = nexfort_engine.compile(net, {"mode": "O1", "static_first": True}, cache_dir=tmp_path)
+    with torch.no_grad():
+        with pytest.raises(KeyboardInterrupt):
+            cm(x, opts={"k": 1})
+        assert cm._nx_job is None and cm._nx_static is None
+        torch.testing.assert_close(cm(x, opts={"k": 1}), net(x), rtol=1e-4, atol=1e-5)
+    main, twin = _records(fresh_stats)
+    assert interrupted and main["static_first"].startswith("static graph for (3, 64)"), main
+    assert main["compiles"] == 0 and twin["compiles"] == 1 and main["state"] == "background", (main, twin)
+    cm._nx_job.cancel()
