@@ -1324,11 +1324,20 @@ class CompiledModule(torch.nn.Module):
         return self._eager(*args, **kwargs)
 
     def _drop_static(self, why: str) -> None:
+        """Retire the static twin; its cache entry goes too once the dynamic graph's is committed
+        (a later process loads that one: the static entry would never be read again)."""
         twin, self._nx_static = self._nx_static, None
         assert twin is not None
         log.info("nexfort: %s: static graph %s retired (%s); the dynamic graph runs from now on", self._nx_label,
                  twin.label, why)
         counters.set_info(twin.label, state="retired")
+        static_entry = twin.cache_entry
+        if (static_entry is not None and self._nx_store is not None and self._nx_entry is not None
+                and self._nx_entry.committed(self._nx_env)):
+            try:
+                self._nx_store.clear(static_entry.key)
+            except OSError as e:
+                log.warning("nexfort: could not remove the static graph's cache entry %s (%s)", static_entry.key, e)
 
     def _fall_back(self, err: BaseException) -> None:
         root = _exception_chain(err)[-1]  # the backend's own error, not Dynamo's wrapper

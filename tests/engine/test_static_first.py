@@ -149,6 +149,7 @@ def test_static_graph_then_the_dynamic_one(tmp_path, fresh_stats, clean_dynamo):
     assert main["state"] == "compiled" and main["compiles"] == 0 and main["recompiles"] == 0, main
     assert main["cache_hits"] == 1 and main["precompiled_graphs"] == 1 and main["fallbacks"] == 0
     assert cm.cache_entry.committed()
+    assert not static_entry.path.exists()  # never read again: the dynamic entry is warm
 
 
 @pytest.mark.inductor
@@ -167,6 +168,7 @@ def test_no_dynamic_graph_from_the_child_is_a_recompile(tmp_path, fresh_stats, c
     assert main["compiles"] == 1 and main["recompiles"] == 1 and main["fallbacks"] == 0, main
     assert any("static_first" in r for r in main["recompile_reasons"]), main
     assert twin["calls"] == 2 and twin["state"] == "retired"
+    assert len(cm._nx_store.keys()) == 2  # the static entry stays (the dynamic one was not committed at the hand-over)
 
 
 @pytest.mark.inductor
