@@ -34,6 +34,7 @@ _ENGINE_COUNTERS: dict[str, Any] = {
     "fallbacks": 0,
     "fallback_reasons": [],
     "cudagraph_skips": 0,
+    "static_first_eager_calls": 0,
     "compile_seconds": 0.0,
     "models": {},
 }
