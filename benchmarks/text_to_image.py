@@ -587,6 +587,7 @@ def background_samplings(runner: Runner, target: Any, height: int, width: int, a
     """``"background": true``: samplings after the warm-up until no model compiles in a child any
     more, each with its start time after the warm-up's start, wall time, it/s and the states."""
     import nexfort_engine
+    from benchmarks import metrics
 
     def states() -> dict[str, str]:
         return {k: m.get("state", "") for k, m in nexfort_engine.stats().get("models", {}).items()}
@@ -596,7 +597,10 @@ def background_samplings(runner: Runner, target: Any, height: int, width: int, a
     while "background" in rows[-1]["states"].values() and time.perf_counter() - t0 < args.background_wait:
         start = time.perf_counter() - t0
         _, m = runner.run(target, height, width, args.steps)
-        rows.append({"start_s": round(start, 3), "e2e_s": m["e2e_s"], "it_s": m.get("it_s"), "states": states()})
+        rows.append({"start_s": round(start, 3), "e2e_s": m["e2e_s"], "it_s": m.get("it_s"), "states": states(),
+                     # the device's and the host's median step: which of the two a compile beside it slows
+                     "step_ms_median": metrics.median(m.get("step_ms") or []),
+                     "host_step_ms_median": metrics.median(m.get("host_step_ms") or [])})
         print(f"background: sampling at {start:.1f}s took {m['e2e_s']:.2f}s ({m.get('it_s') or 0:.2f} it/s), "
               f"states {rows[-1]['states']}", flush=True)
     return rows

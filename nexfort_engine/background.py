@@ -79,6 +79,13 @@ _CHILD = "import sys; from nexfort_engine.background import child_main; sys.exit
 NICE = 10
 #: how often the child checks that its parent is still alive
 PARENT_POLL_S = 1.0
+#: how a child's OpenMP threads wait for work (``$NEXFORT_CHILD_OMP_WAIT_POLICY`` overrides it;
+#: ``inherit``: the caller's environment as is). libgomp's default spins each thread for about
+#: 300 000 pauses after every parallel region; a compile process's small CPU ops wake the whole
+#: pool again and again, and the spinning threads take cores from the caller's sampling loop
+#: (BENCHMARKS.md, thirty-third session). Passive threads sleep at once.
+CHILD_OMP_WAIT_POLICY = "PASSIVE"
+ENV_CHILD_OMP_WAIT_POLICY = "NEXFORT_CHILD_OMP_WAIT_POLICY"
 
 
 class Unavailable(RuntimeError):
@@ -381,6 +388,12 @@ def _spawn(root: str | os.PathLike[str], key: str, data: bytes, child_globals: S
     env["PYTHONPATH"] = os.pathsep.join([here, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
     if threads is not None:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
+    # the caller's intra-op thread count, whatever set it: it is part of Dynamo's global-state
+    # guard, and a graph compiled under another count recompiles when the caller first runs it
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    policy = os.environ.get(ENV_CHILD_OMP_WAIT_POLICY) or CHILD_OMP_WAIT_POLICY
+    if policy != "inherit":
+        env["OMP_WAIT_POLICY"] = policy
     with open(path / LOG_FILE, "wb") as logf:
         proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(path / JOB_FILE)],
