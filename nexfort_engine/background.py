@@ -253,6 +253,8 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     #: when :meth:`done` first saw the child gone
     finished: float | None = None
+    #: a compile worker (split.py: the caller waits for it), not a background compile
+    worker: bool = False
 
     def done(self) -> bool:
         if self.finished is not None:
@@ -399,10 +401,18 @@ def _spawn(root: str | os.PathLike[str], key: str, data: bytes, child_globals: S
             [sys.executable, "-c", _CHILD, str(path / JOB_FILE)],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
         )
-    job = Job(key=key, path=path, proc=proc)
+    job = Job(key=key, path=path, proc=proc, worker=part is not None)
     with _running_lock:
         _running[proc.pid] = job
     return job
+
+
+def compiling() -> bool:
+    """Whether a background compile's child of this process is still running (compile workers,
+    which their caller waits for, do not count)."""
+    with _running_lock:
+        jobs = [j for j in _running.values() if not j.worker]
+    return any(not j.done() for j in jobs)
 
 
 # -- the child's side -------------------------------------------------------------------------

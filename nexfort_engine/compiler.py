@@ -35,7 +35,19 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import background, collector, counters, precompile, prewarm, regions, shapes, split, stream, trace_ops
+from . import (
+    background,
+    collector,
+    counters,
+    intraop,
+    precompile,
+    prewarm,
+    regions,
+    shapes,
+    split,
+    stream,
+    trace_ops,
+)
 from .cache import CacheEntry, CacheStore, entry_key, environment_fingerprint, structure_digest
 from .cache.store import ENV_CACHE_DIR, atomic_write_bytes
 from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, model_width, pays_off
@@ -1358,6 +1370,12 @@ class CompiledModule(torch.nn.Module):
         log.warning("nexfort: compiling %s failed, running eager instead: %s", self._nx_label, reason, exc_info=err)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # the thread's own intra-op count inside (Dynamo's guards read it); one thread after the
+        # call while a background child compiles (intraop.py)
+        with intraop.compiled_call():
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         if self._nx_failed is not None:
             return self._eager(*args, **kwargs)
         if self._nx_memory_format is not None:

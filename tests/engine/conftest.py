@@ -31,6 +31,20 @@ def nx_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("nexfort_engine_cache")
 
 
+@pytest.fixture(autouse=True)
+def intra_op_threads():
+    """The intra-op thread count as the test found it: a test that ends while a background child
+    still compiles (or fails midway) leaves one thread between calls (intraop.py)."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    from nexfort_engine import intraop
+
+    intraop._local.saved = None
+    intraop._local.depth = 0
+
+
 @pytest.fixture
 def fresh_stats():
     """Engine counters zeroed before the test (they are process-wide)."""

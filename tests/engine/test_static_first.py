@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import nexfort_engine
-from nexfort_engine import background
+from nexfort_engine import background, intraop
 from nexfort_engine.options import OptionsError, parse_options
 from nexfort_engine.settings import resolve
 
@@ -116,10 +116,13 @@ def test_static_graph_then_the_dynamic_one(tmp_path, fresh_stats, clean_dynamo):
     call left it (a recompile at the hand-over on the GPU, run202, before ``background.snapshot``)."""
     net = _net()
     x, y = torch.randn(3, 64), torch.randn(5, 64)
+    threads = torch.get_num_threads()
     cm = nexfort_engine.compile(net, {"mode": "O1", "static_first": True}, cache_dir=tmp_path)
     with torch.no_grad():
         ref_x, ref_y = net(x), net(y)
         torch.testing.assert_close(cm(x, opts={"k": 1}), ref_x, rtol=1e-4, atol=1e-5)  # the static graph, compiled here
+        if threads > 1 and not cm._nx_job.done():  # one intra-op thread between calls (intraop.py)
+            assert torch.get_num_threads() == 1 and intraop.saved_count() == threads
         main, twin = _records(fresh_stats)
         assert main["static_first"].startswith("static graph for (3, 64) in "), main
         assert main["state"] == "background" and main["background"].startswith("running"), main
@@ -147,6 +150,7 @@ def test_static_graph_then_the_dynamic_one(tmp_path, fresh_stats, clean_dynamo):
     main, twin = _records(fresh_stats)
     assert cm._nx_static is None and twin["state"] == "retired" and twin["calls"] == 3
     assert main["state"] == "compiled" and main["compiles"] == 0 and main["recompiles"] == 0, main
+    assert torch.get_num_threads() == threads and intraop.saved_count() is None  # the child is done
     assert main["cache_hits"] == 1 and main["precompiled_graphs"] == 1 and main["fallbacks"] == 0
     assert cm.cache_entry.committed()
     assert not static_entry.path.exists()  # never read again: the dynamic entry is warm
