@@ -1,6 +1,11 @@
 """Load beside a sampling process: `cpu N [first_core]` N niced busy loops (pinned to cores
 first_core.. when given), `gpu` one niced process keeping the GPU about half busy."""
-import os, sys, time, multiprocessing as mp
+
+import multiprocessing as mp
+import os
+import sys
+import time
+
 
 def cpu(core):
     os.nice(10)
@@ -10,9 +15,11 @@ def cpu(core):
     while True:
         x += 1
 
+
 def gpu():
     os.nice(10)
     import torch
+
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.half)
     while True:
         for _ in range(8):
@@ -20,11 +27,15 @@ def gpu():
         torch.cuda.synchronize()
         time.sleep(0.002)
 
+
 if __name__ == "__main__":
     if sys.argv[1] == "cpu":
-        n = int(sys.argv[2]); first = int(sys.argv[3]) if len(sys.argv) > 3 else None
+        n = int(sys.argv[2])
+        first = int(sys.argv[3]) if len(sys.argv) > 3 else None
         ps = [mp.Process(target=cpu, args=(None if first is None else first + i,)) for i in range(n)]
     else:
         ps = [mp.Process(target=gpu)]
-    for p in ps: p.start()
-    for p in ps: p.join()
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join()

@@ -1,6 +1,12 @@
 """Per-thread CPU over an interval: python3 threads.py PID SECONDS"""
-import os, sys, time
+
+import os
+import sys
+import time
+
 pid, dt = int(sys.argv[1]), float(sys.argv[2])
+
+
 def snap():
     out = {}
     for t in os.listdir(f"/proc/{pid}/task"):
@@ -12,7 +18,11 @@ def snap():
         except OSError:
             pass
     return out
-a = snap(); time.sleep(dt); b = snap()
+
+
+a = snap()
+time.sleep(dt)
+b = snap()
 hz = os.sysconf("SC_CLK_TCK")
 rows = sorted(((b[t][1] - a[t][1]) / hz / dt * 100, t, b[t][0], b[t][2]) for t in b if t in a)
 print(f"pid {pid}: {len(b)} threads, total {sum(r[0] for r in rows):.0f}%")
