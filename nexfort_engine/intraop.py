@@ -11,14 +11,14 @@ pool thread spin for about 300 000 pauses after every parallel region before it 
 sampler runs CPU ops on the prompt's conditioning in every step (the concatenation of the conds,
 2 x 77 x 1024 values for SD2.1: above ATen's grain size, so a parallel region), which kept 15
 threads of a 16-core host spinning at nice 0: 1,200 % CPU for the sampling process (run207). Alone
-that costs nothing visible. Beside a child compiling at nice 10 it slowed SD2.1's sampling, bound
-by the host, from 81 to 35 it/s and made the child take 93 s instead of 79 s (run211). With one
-thread no parallel region starts, and the pool sleeps.
+that costs nothing visible. Beside a child compiling at nice 10 it held SD2.1's sampling, bound by
+the host, at 34 it/s instead of 80 and made the child take 78 s instead of 42 s (run214, with and
+without this module). With one thread no parallel region starts, and the pool sleeps.
 
 Why not once for the whole compile: the count is part of Dynamo's global-state guard
 (``GLOBAL_STATE changed: num_threads``). A graph compiled under one count does not run under
 another: Dynamo recompiles, and a static-first graph's guards fail and the call runs eager
-(run210). So each compiled call gets the thread's count back for its duration, and a background
+(runs 210 and 212). So each compiled call gets the thread's count back for its duration, and a background
 child compiles with the caller's count (``background._spawn``).
 
 Where this does not reach: CPU work of other threads, and the calling thread's CPU work after its

@@ -28,7 +28,7 @@ def threads():
 
 @pytest.fixture
 def child(tmp_path):
-    """A running background child of this process; ``stop()`` ends it."""
+    """A running background child of this process; ``cancel()`` ends it."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     job = background.Job(key="k", path=Path(tmp_path), proc=proc)
     with background._running_lock:
