@@ -8,8 +8,9 @@ more, the count is the thread's own again for good.
 
 Why: torch's CPU kernels run on libgomp's thread pool, and libgomp's default wait policy has each
 pool thread spin for about 300 000 pauses after every parallel region before it sleeps. ComfyUI's
-sampler runs CPU ops on the prompt's conditioning in every step (the concatenation of the conds,
-2 x 77 x 1024 values for SD2.1: above ATen's grain size, so a parallel region), which kept 15
+sampler runs CPU ops on the prompt's conditioning in every step (py-spy found the sampling thread
+in ``CONDCrossAttn.concat`` and ``to_device_async``; our reading: tensors above ATen's grain size,
+so parallel regions), which kept 15
 threads of a 16-core host spinning at nice 0: 1,200 % CPU for the sampling process (run207). Alone
 that costs nothing visible. Beside a child compiling at nice 10 it held SD2.1's sampling, bound by
 the host, at 34 it/s instead of 80 and made the child take 78 s instead of 42 s (run214, with and
