@@ -85,6 +85,21 @@ def peak_gib(device: torch.device) -> float | None:
     return None
 
 
+def reserved_gib(device: torch.device) -> float | None:
+    """What this process's caching allocator holds (CUDA-graph pools included)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device) / 2**30
+    return None
+
+
+def device_used_gib(device: torch.device) -> float | None:
+    """The device's used memory, every process on it included (a background child's too)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return (total - free) / 2**30
+    return None
+
+
 def latent_error(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """max/mean absolute difference and relative L2 (``||out-ref|| / ||ref||``) in float64."""
     a = out.detach().to("cpu", torch.float64)

@@ -592,15 +592,22 @@ def background_samplings(runner: Runner, target: Any, height: int, width: int, a
     def states() -> dict[str, str]:
         return {k: m.get("state", "") for k, m in nexfort_engine.stats().get("models", {}).items()}
 
+    import torch
+
     t0 = time.perf_counter() - first["e2e_s"]
-    rows = [{"start_s": 0.0, "e2e_s": first["e2e_s"], "it_s": first.get("it_s"), "states": states()}]
+    device = torch.device(args.device)
+    rows = [{"start_s": 0.0, "e2e_s": first["e2e_s"], "it_s": first.get("it_s"), "states": states(),
+             "peak_gib": metrics.peak_gib(device), "device_used_gib": metrics.device_used_gib(device)}]
     while "background" in rows[-1]["states"].values() and time.perf_counter() - t0 < args.background_wait:
         start = time.perf_counter() - t0
+        metrics.reset_peak(device)
         _, m = runner.run(target, height, width, args.steps)
         rows.append({"start_s": round(start, 3), "e2e_s": m["e2e_s"], "it_s": m.get("it_s"), "states": states(),
                      # the device's and the host's median step: which of the two a compile beside it slows
                      "step_ms_median": metrics.median(m.get("step_ms") or []),
-                     "host_step_ms_median": metrics.median(m.get("host_step_ms") or [])})
+                     "host_step_ms_median": metrics.median(m.get("host_step_ms") or []),
+                     # this process's peak over the sampling, and the device's use with the child on it
+                     "peak_gib": metrics.peak_gib(device), "device_used_gib": metrics.device_used_gib(device)})
         print(f"background: sampling at {start:.1f}s took {m['e2e_s']:.2f}s ({m.get('it_s') or 0:.2f} it/s), "
               f"states {rows[-1]['states']}", flush=True)
     return rows
@@ -608,13 +615,17 @@ def background_samplings(runner: Runner, target: Any, height: int, width: int, a
 
 def sweep(args: argparse.Namespace, spec: Any, runner: Runner, target: Any, graphs0: int, rows: list[dict]) -> None:
     """4 resolutions x 2 step counts x 2 prompt lengths; recompiles counted per combination."""
+    import torch
+
     from benchmarks import metrics
 
     step_counts = (args.steps, max(args.steps // 2, 2))
+    device = torch.device(args.device)
     for h, w in spec.sweep_resolutions:
         for steps in step_counts:
             for text_len in spec.sweep_text_lens:
                 before = metrics.compile_counts(args.compiler, graphs0)
+                metrics.reset_peak(device)
                 _, first = runner.run(target, h, w, steps, text_len)
                 _, again = runner.run(target, h, w, steps, text_len)
                 after = metrics.compile_counts(args.compiler, graphs0)
@@ -623,6 +634,8 @@ def sweep(args: argparse.Namespace, spec: Any, runner: Runner, target: Any, grap
                     "first_s": first["e2e_s"], "e2e_s": again["e2e_s"], "it_s": again["it_s"],
                     "new_compiles": after["compiles"] - before["compiles"],
                     "fallbacks": after.get("fallbacks", 0) - before.get("fallbacks", 0),
+                    # peak over both samplings; what the allocator holds after (CUDA-graph pools too)
+                    "peak_gib": metrics.peak_gib(device), "reserved_gib": metrics.reserved_gib(device),
                 })
                 new_reasons = list(after.get("recompile_reasons") or [])[len(before.get("recompile_reasons") or []):]
                 if new_reasons:  # why a combination compiled again (guard failures, as counted)

@@ -49,8 +49,6 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
     import nexfort_engine
     from benchmarks.metrics import latent_error
 
-    z = torch.randn(1, 4, args.size // 8, args.size // 8, device="cuda", dtype=torch.bfloat16)
-
     def timed(fn) -> tuple[float, list[float], torch.Tensor]:
         times, out = [], None
         for _ in range(args.repeat + 1):
@@ -61,27 +59,62 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
             times.append(time.perf_counter() - t0)
         return times[0], times[1:], out
 
-    with torch.inference_mode():
+    with torch.inference_mode():  # as ComfyUI runs its nodes: the latents are inference tensors too
+        z = torch.randn(1, 4, args.size // 8, args.size // 8, device="cuda", dtype=torch.bfloat16)
         ref32 = None
         if args.fp32_reference:  # same weights upcast, decoded in float32, freed before timing
             twin = copy.deepcopy(vae).float()
             ref32 = twin.decode(z.float()).float()
             del twin
             torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         eager_first, eager_times, ref = timed(vae.decode)
         rec = {"memory_format": fmt, "eager_ms": round(statistics.median(eager_times) * 1000, 2)}
         if ref32 is not None:
             rec["eager_rel_l2_vs_fp32"] = latent_error(ref, ref32)["rel_l2"]
+        rec["eager_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         if fmt != "eager":
-            cm = nexfort_engine.compile(vae, {"mode": args.mode, "memory_format": fmt}, cache_dir=cache, method="decode")
+            options = {"mode": args.mode, "memory_format": fmt, **json.loads(args.options)}
+            cm = nexfort_engine.compile(vae, options, cache_dir=cache, method="decode")
+            torch.cuda.reset_peak_memory_stats()
             first, times, out = timed(cm)
             stats = nexfort_engine.stats()
-            rec.update(first_s=round(first, 2), compiled_ms=round(statistics.median(times) * 1000, 2),
+            rec.update(options=options, first_s=round(first, 2), compiled_ms=round(statistics.median(times) * 1000, 2),
                        max_abs_vs_eager=float((out.float() - ref.float()).abs().max()),
-                       compiles=stats["compiles"], cache_hits=stats["cache_hits"], fallbacks=stats["fallbacks"])
+                       compiles=stats["compiles"], cache_hits=stats["cache_hits"], fallbacks=stats["fallbacks"],
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                       static_first=[m.get("static_first") for m in stats["models"].values() if m.get("static_first")])
             if ref32 is not None:  # lossless: compiled error vs float32 at most 1.5x eager's
                 rec["compiled_rel_l2_vs_fp32"] = latent_error(out, ref32)["rel_l2"]
                 rec["error_ratio"] = round(rec["compiled_rel_l2_vs_fp32"] / rec["eager_rel_l2_vs_fp32"], 3)
+            if args.other_size:  # another size once no child compiles: the hand-over (static first)
+                # decode on meanwhile, as a user would: a model leaves "background" at a call
+                t0, waits = time.perf_counter(), 0
+                while (any(m.get("state") == "background" for m in nexfort_engine.stats()["models"].values())
+                       and time.perf_counter() - t0 < args.background_wait):
+                    cm(z)
+                    torch.cuda.synchronize()
+                    waits += 1
+                    time.sleep(0.5)
+                rec["background_wait_s"], rec["background_decodes"] = round(time.perf_counter() - t0, 2), waits
+                rec["background"] = {k: m.get("background") for k, m in nexfort_engine.stats()["models"].items()
+                                     if m.get("background")}
+                z2 = torch.randn(1, 4, args.other_size // 8, args.other_size // 8, device="cuda", dtype=torch.bfloat16)
+                before = nexfort_engine.stats()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                cm(z2)
+                torch.cuda.synchronize()
+                rec["other_size_first_s"] = round(time.perf_counter() - t0, 2)
+                t0 = time.perf_counter()
+                cm(z2)
+                torch.cuda.synchronize()
+                rec["other_size_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+                after = nexfort_engine.stats()
+                rec["other_size_new_compiles"] = after["compiles"] - before["compiles"]
+                rec["other_size_recompiles"] = after["recompiles"] - before["recompiles"]
+                rec["recompile_reasons"] = [str(r)[:600] for r in after.get("recompile_reasons") or []]
+                rec["peak_gib_after"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     rec.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode, size=args.size)
     return rec
 
@@ -94,6 +127,11 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--formats", default="contiguous,channels_last")
+    ap.add_argument("--options", default="{}", help="engine options JSON merged into the mode's, e.g. "
+                    '\'{"static_first": true}\'')
+    ap.add_argument("--other-size", type=int, default=0,
+                    help="after the timed decodes (and any background compile), decode once at this size")
+    ap.add_argument("--background-wait", type=float, default=300.0)
     ap.add_argument("--no-fp32-reference", dest="fp32_reference", action="store_false",
                     help="skip the float32 decode the errors are measured against")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -107,7 +145,8 @@ def main() -> int:
         for run in ("cold", "warm"):
             out = subprocess.run([sys.executable, __file__, "--comfy-root", args.comfy_root, "--cache-root",
                                   args.cache_root, "--mode", args.mode, "--size", str(args.size), "--repeat",
-                                  str(args.repeat), "--child", fmt, "--cache", cache,
+                                  str(args.repeat), "--child", fmt, "--cache", cache, "--options", args.options,
+                                  "--other-size", str(args.other_size), "--background-wait", str(args.background_wait),
                                   *([] if args.fp32_reference else ["--no-fp32-reference"])],
                                  capture_output=True, text=True, check=False)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]

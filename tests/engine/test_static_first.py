@@ -12,6 +12,7 @@ the recompile it is.
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -96,6 +97,32 @@ def test_auto_stays_off_on_the_cpu(tmp_path, fresh_stats, clean_dynamo):
     cm._nx_aot = True
     cm._setup(torch.zeros(1))
     cm._nx_aot = True
+    assert cm._static_first_off(torch.zeros(1)) == "auto: CUDA devices only"
+
+
+class Coder(Net):
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+
+@pytest.mark.parametrize("method", ["forward", "decode", "encode"])
+def test_auto_covers_a_forward_and_a_decode(method, tmp_path, fresh_stats, clean_dynamo):
+    """Auto (``None``) on a GPU: a UNet's forward and a VAE's decode (measured, run218-219); an
+    encode compiles its dynamic graph at once."""
+    torch.manual_seed(0)
+    cm = nexfort_engine.compile(Coder().eval(), {"backend": "eager"}, cache_dir=tmp_path, method=method)
+    cm._nx_aot = True
+    cm._setup(torch.zeros(1))
+    cm._nx_aot = True
+    on_a_gpu = types.SimpleNamespace(is_cuda=True)  # only where the example lives is read
+    why = cm._static_first_off(on_a_gpu)
+    if method == "encode":
+        assert why is not None and why.startswith("auto: a model's forward or a VAE's decode only"), why
+    else:
+        assert why is None
     assert cm._static_first_off(torch.zeros(1)) == "auto: CUDA devices only"
 
 

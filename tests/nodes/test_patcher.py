@@ -283,3 +283,46 @@ def test_compiled_vae_decode_in_the_background(patcher, vae, fresh_stats, tmp_pa
     rec = fresh_stats()["models"][label]
     assert rec["background"].startswith("done in "), rec["background"]
     assert rec["state"] == "compiled" and rec["fallbacks"] == 0
+
+
+@pytest.mark.inductor
+def test_compiled_vae_decode_static_first(patcher, vae, fresh_stats, tmp_path, monkeypatch):
+    """``"static_first"`` on the VAE node (auto on a GPU for a decode): the first decode compiles a
+    static graph for its latent size, a child compiles the any-size decode graph, and the first
+    decode of another size loads that one: nothing compiled here, no recompile. Under inference
+    mode, as ComfyUI runs its nodes."""
+    import time
+
+    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(tmp_path))
+    cfg = nexfort_engine.parse_options({"mode": "O1", "static_first": True})
+    cv = patcher.compile_vae(vae, cfg, node_id="9")
+    gen = torch.Generator().manual_seed(3)
+    # both sizes above the CPU's mkldnn-convolution threshold (a size guard of its own, CPU only)
+    a, b = torch.randn(1, 4, 24, 24, generator=gen), torch.randn(1, 4, 24, 32, generator=gen)
+    with torch.inference_mode():
+        ref_a, ref_b = vae.decode(a), vae.decode(b)
+        out_a = cv.decode(a)
+
+        def records() -> tuple[dict, dict]:
+            models = {k: r for k, r in fresh_stats()["models"].items() if k.startswith("TAESD.decode")}
+            twin = [r for k, r in models.items() if " (static)" in k]
+            main = [r for k, r in models.items() if " (static)" not in k]
+            assert len(main) == 1 and len(twin) == 1, models
+            return main[0], twin[0]
+
+        main, twin = records()
+        assert main["static_first"].startswith("static graph for (1, 4, 24, 24) in "), main
+        assert twin["compiles"] == 1 and main["state"] == "background", (main, twin)
+        cm = vae.first_stage_model.__dict__[patcher._ATTR][f"{cfg.digest()}.decode"]
+        deadline = time.monotonic() + 600
+        while not cm._nx_job.done():
+            assert time.monotonic() < deadline, "the child did not finish"
+            time.sleep(0.5)
+        out_a2 = cv.decode(a)  # the static graph still fits its size
+        out_b = cv.decode(b)  # another size: the child's dynamic graph, loaded
+    main, twin = records()
+    assert main["background"].startswith("done in "), main["background"]
+    assert main["compiles"] == 0 and main["recompiles"] == 0 and main["cache_hits"] == 1, main
+    assert twin["state"] == "retired" and twin["calls"] == 2 and main["fallbacks"] == 0
+    for got, want in ((out_a, ref_a), (out_a2, ref_a), (out_b, ref_b)):
+        assert got.shape == want.shape and tm.rel_err(got, want) <= 1e-3
