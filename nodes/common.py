@@ -67,8 +67,9 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             'minutes, a few % slower); {"fp8": true} runs linears in fp8 on Ada/Hopper (O3 does '
             'that by default there for models at least 2048 wide, e.g. Flux; {"fp8": false} keeps O3 in '
             'bf16/fp16); {"background": true} compiles a cold model in a separate process while sampling '
-            'runs uncompiled, then switches to the compiled model (no wait for the first image; needs '
-            'GPU memory for a second copy of the weights while it compiles); {"compile_workers": 1} '
+            'runs uncompiled, then switches to the compiled model (no wait for the first image; SDXL '
+            'compiled after ~1 min on an H100; needs GPU memory for a second copy of the weights '
+            'while it compiles); {"compile_workers": 1} '
             "compiles a UNet's graph in this process only (by default on a GPU, up to 8 processes "
             "compile parts of it at once: SDXL ~51 s cold on an H100 host, where ComfyUI's own compile "
             "took 81 s; the workers get the graph's parts, not the weights). "

@@ -194,6 +194,27 @@ def test_child_that_dies_leaves_the_compile_to_the_parent(tmp_path, fresh_stats,
     torch.testing.assert_close(out, net(x))
 
 
+@pytest.mark.parametrize("option", [None, 1, 3])
+def test_the_child_gets_the_compile_workers_option(option, tmp_path, fresh_stats, clean_dynamo, monkeypatch):
+    """The child compiles as a foreground compile would: with compile workers, auto unless set
+    (SDXL's child 51.6 s with auto against 145.0 s with one process, run221)."""
+    seen: list = []
+
+    def start(**kw):
+        seen.append(kw["config"])
+        raise background.Unavailable("not started in this test")
+
+    monkeypatch.setattr(background, "start", start)
+    net = _net()
+    opts = {"backend": "eager", "background": True, "compile_workers": option}
+    cm = nexfort_engine.compile(net, opts, cache_dir=tmp_path)
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(cm(x), net(x))  # no child: compiled here
+    [config] = seen
+    assert config.compile_workers == option and config.background is False and config.static_first is False
+    assert _record(fresh_stats)["background"].startswith("off: cannot hand the model to a child process")
+
+
 def test_child_is_cancelled_with_its_module(tmp_path, fresh_stats, clean_dynamo):
     cm = nexfort_engine.compile(_net(), {"mode": "O1", "background": True}, cache_dir=tmp_path)
     cm(torch.randn(3, 512))

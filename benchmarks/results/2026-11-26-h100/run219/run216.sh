@@ -56,6 +56,8 @@ for t in "$@"; do EXTRA=""; case $t in *sweep*) EXTRA="--run-multiple-resolution
     sd21_comfy*) comfy $t sd21;;
     sdxl_comfy*) comfy $t sdxl;;
     *_bg_nq*) probe $t '{"mode":"O2","background":true}' NEXFORT_QUIET_OMP=0;;
+    *_bgw8*) probe $t '{"mode":"O2","background":true,"compile_workers":8}';;
+    *_bgw1*) probe $t '{"mode":"O2","background":true,"compile_workers":1}';;
     *_bg*) probe $t '{"mode":"O2","background":true}';;
     *_sf0*) probe $t '{"mode":"O2","static_first":false}';;
     *) probe $t '{"mode":"O2"}';;
