@@ -1,4 +1,4 @@
-"""A VAE decode through nexfort, by memory format (GPU; a measurement, not part of the engine).
+"""A VAE decode (or encode) through nexfort, by memory format (GPU; a measurement, not part of the engine).
 
 ComfyUI's SDXL-family ``AutoencoderKL`` (random weights, bf16) decodes a 1024² latent, eager and
 compiled by the engine as the *Nexfort Compile VAE* node compiles it (``first_stage_model.decode``,
@@ -7,7 +7,9 @@ cache directory (the cold compile), followed by a second process on that cache (
 Reports per run: the first decode (compile or load included), the median decode after it, the
 max abs difference from eager's output in the same process, and (unless ``--no-fp32-reference``)
 eager's and the compiled decode's relative L2 error against a float32 decode with the same
-weights, and their ratio (lossless: at most 1.5).
+weights, and their ratio (lossless: at most 1.5). ``--method encode`` times a 1024² image's encode
+(``first_stage_model.encode``) instead; ``--options`` adds engine options (``{"static_first":
+true}``), ``--other-size`` one call at another size after any background compile is done.
 
     python3 benchmarks/vae_decode.py --comfy-root /path/to/ComfyUI --cache-root /tmp/vae_cache
 """
@@ -42,6 +44,15 @@ def sdxl_vae(comfy_root: str) -> Any:
     return init_weights(AutoencoderKL(ddconfig=dict(DDCONFIG), embed_dim=4).eval()).to("cuda", torch.bfloat16)
 
 
+def _input(method: str, size: int) -> Any:
+    """A decode's latent (size/8 squared, 4 channels) or an encode's image (size squared, in [-1, 1])."""
+    import torch
+
+    if method == "decode":
+        return torch.randn(1, 4, size // 8, size // 8, device="cuda", dtype=torch.bfloat16)
+    return torch.rand(1, 3, size, size, device="cuda", dtype=torch.bfloat16) * 2 - 1
+
+
 def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
     vae = sdxl_vae(args.comfy_root)
     import torch
@@ -60,22 +71,22 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
         return times[0], times[1:], out
 
     with torch.inference_mode():  # as ComfyUI runs its nodes: the latents are inference tensors too
-        z = torch.randn(1, 4, args.size // 8, args.size // 8, device="cuda", dtype=torch.bfloat16)
+        z = _input(args.method, args.size)
         ref32 = None
         if args.fp32_reference:  # same weights upcast, decoded in float32, freed before timing
             twin = copy.deepcopy(vae).float()
-            ref32 = twin.decode(z.float()).float()
+            ref32 = getattr(twin, args.method)(z.float()).float()
             del twin
             torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        eager_first, eager_times, ref = timed(vae.decode)
+        eager_first, eager_times, ref = timed(getattr(vae, args.method))
         rec = {"memory_format": fmt, "eager_ms": round(statistics.median(eager_times) * 1000, 2)}
         if ref32 is not None:
             rec["eager_rel_l2_vs_fp32"] = latent_error(ref, ref32)["rel_l2"]
         rec["eager_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         if fmt != "eager":
             options = {"mode": args.mode, "memory_format": fmt, **json.loads(args.options)}
-            cm = nexfort_engine.compile(vae, options, cache_dir=cache, method="decode")
+            cm = nexfort_engine.compile(vae, options, cache_dir=cache, method=args.method)
             torch.cuda.reset_peak_memory_stats()
             first, times, out = timed(cm)
             stats = nexfort_engine.stats()
@@ -99,7 +110,7 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
                 rec["background_wait_s"], rec["background_decodes"] = round(time.perf_counter() - t0, 2), waits
                 rec["background"] = {k: m.get("background") for k, m in nexfort_engine.stats()["models"].items()
                                      if m.get("background")}
-                z2 = torch.randn(1, 4, args.other_size // 8, args.other_size // 8, device="cuda", dtype=torch.bfloat16)
+                z2 = _input(args.method, args.other_size)
                 before = nexfort_engine.stats()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -115,7 +126,8 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
                 rec["other_size_recompiles"] = after["recompiles"] - before["recompiles"]
                 rec["recompile_reasons"] = [str(r)[:600] for r in after.get("recompile_reasons") or []]
                 rec["peak_gib_after"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-    rec.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode, size=args.size)
+    rec.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode, size=args.size,
+               method=args.method)
     return rec
 
 
@@ -124,6 +136,8 @@ def main() -> int:
     ap.add_argument("--comfy-root", required=True)
     ap.add_argument("--cache-root", required=True)
     ap.add_argument("--mode", default="O2")
+    ap.add_argument("--method", choices=["decode", "encode"], default="decode",
+                    help="what is compiled and timed: a 1024² decode (default) or a 1024² image's encode")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--formats", default="contiguous,channels_last")
@@ -146,6 +160,7 @@ def main() -> int:
             out = subprocess.run([sys.executable, __file__, "--comfy-root", args.comfy_root, "--cache-root",
                                   args.cache_root, "--mode", args.mode, "--size", str(args.size), "--repeat",
                                   str(args.repeat), "--child", fmt, "--cache", cache, "--options", args.options,
+                                  "--method", args.method,
                                   "--other-size", str(args.other_size), "--background-wait", str(args.background_wait),
                                   *([] if args.fp32_reference else ["--no-fp32-reference"])],
                                  capture_output=True, text=True, check=False)

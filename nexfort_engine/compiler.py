@@ -9,7 +9,7 @@
    patches only (``compile_fx(config_patches=...)``);
 3. new artifacts are hashed into the entry's manifest.
 
-With ``"static_first"`` (auto: a UNet's forward or a VAE's decode on a GPU), a cold first call instead compiles a
+With ``"static_first"`` (auto: a UNet's forward or a VAE's decode/encode on a GPU), a cold first call instead compiles a
 static-shape twin for its own size and runs it, and a child process (:mod:`nexfort_engine.background`)
 compiles the dynamic graph; the twin runs the calls it fits until the first other size loads that.
 
@@ -78,10 +78,10 @@ ENV_RUN_AS_COMPILED = "NEXFORT_RUN_AS_COMPILED"
 #: a size Dynamo specialised); past it the module compiles through ``torch.compile``
 MAX_PRECOMPILED = 8
 
-#: what ``"static_first"`` auto applies to on a GPU: a UNet's forward and a VAE's decode (measured:
-#: SDXL's VAE, first 1024² decode 24.9 s against 44.6 s for the dynamic graph, run217). A VAE's
-#: encode (img2img only) was not measured: it compiles its dynamic graph at once unless ``true``.
-AUTO_STATIC_FIRST_METHODS = ("forward", "decode")
+#: what ``"static_first"`` auto applies to on a GPU: a UNet's forward and a VAE's decode and encode
+#: (measured on SDXL's VAE at 1024²: the first decode 24.5-28.6 s against 42.0-44.6 s for the
+#: dynamic graph, runs 218-219; the first encode 21.3-28.3 s against 30.2-43.1 s, run222)
+AUTO_STATIC_FIRST_METHODS = ("forward", "decode", "encode")
 
 #: a static-shape graph held for ``"static_first"`` returns this for a call it does not fit,
 #: instead of compiling another graph
@@ -1281,8 +1281,8 @@ class CompiledModule(torch.nn.Module):
         if cfg.static_first is None and (example is None or not example.is_cuda):
             return "auto: CUDA devices only"
         if cfg.static_first is None and self._nx_method not in AUTO_STATIC_FIRST_METHODS:
-            return (f"auto: a model's forward or a VAE's decode only ({self._nx_method} compiles its dynamic "
-                    "graph at once)")
+            return (f"auto: a model's forward or a VAE's decode/encode only ({self._nx_method} compiles its "
+                    "dynamic graph at once)")
         return None
 
     def _compile_static_first(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> Any:

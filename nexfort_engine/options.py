@@ -159,7 +159,7 @@ class CompileConfig:
     #: (about half the work of a dynamic one), and a child process compiles the dynamic graph into
     #: the cache meanwhile; calls of that shape run the static graph, other shapes eager until the
     #: dynamic graph is loaded (compiler.py, background.py). None = auto (on for a whole model's
-    #: saved forward or decode graph - a UNet, a VAE's decode - on a CUDA device with a cache
+    #: saved forward, decode or encode graph - a UNet, a VAE - on a CUDA device with a cache
     #: directory), True/False = where it can / never
     static_first: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs

@@ -35,7 +35,7 @@ PY
 }
 vae() { # tag options other
   local tag=$1 opts=$2; local t0=$(date +%s)
-  timeout ${TMO:-300} python3 benchmarks/vae_decode.py --comfy-root $W/ComfyUI --cache-root $W/cache/$tag-$RANDOM --formats contiguous --repeat 5 \
+  timeout ${TMO:-300} python3 benchmarks/vae_decode.py --comfy-root $W/ComfyUI --cache-root $W/cache/$tag-$RANDOM --formats contiguous --repeat 5 --method ${METHOD:-decode} \
     --options "$opts" --other-size ${OTHER:-768} > $RD/$tag.jsonl 2> $RD/$tag.log
   echo "$tag done $(( $(date +%s) - t0 ))s" | tee -a $RD/summary.txt
   cat $RD/$tag.jsonl | tee -a $RD/summary.txt
@@ -49,6 +49,8 @@ comfy() { local tag=$1; local t0=$(date +%s)
 }
 for t in "$@"; do EXTRA=""; case $t in *sweep*) EXTRA="--run-multiple-resolutions";; esac
   case $t in
+    venc_sf*) METHOD=encode vae $t '{"static_first": true}';;
+    venc_dyn*) METHOD=encode vae $t '{}';;
     vae_sf0*) vae $t '{"static_first": false}';;
     vae_sf*) vae $t '{"static_first": true}';;
     vae_def*) vae $t '{}';;
