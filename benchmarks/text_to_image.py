@@ -88,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fp8 graphs: leave the LayerNorm + modulation inputs to Inductor (A/B comparisons)")
     p.add_argument("--rope-config", default=None, metavar="BLOCK_RxWARPS",
                    help="nexfort::rms_norm_rope's launch configuration, e.g. 32x4 (default: the engine's; A/B comparisons)")
+    p.add_argument("--vae-decode", action="store_true",
+                   help="decode each sampling's latent too, with ComfyUI's AutoencoderKL (the SDXL-family "
+                   "config, the model's latent channels, random weights): compiled as the Nexfort Compile VAE "
+                   "node does with --compiler nexfort (decode), eager otherwise (ComfyUI's node compiles no VAE); "
+                   "reports the first image's time (sampling + decode)")
     p.add_argument("--background-wait", type=float, default=900.0,
                    help='"background": true: sample eager for at most this many seconds waiting for the child')
     p.add_argument("--output-json", type=Path, default=None)
@@ -146,6 +151,44 @@ def load_pack() -> Any:
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return importlib.import_module(f"{name}.nodes")
+
+
+class Decoder:
+    """``--vae-decode``: a VAE's decode after each sampling, timed (wall time with syncs)."""
+
+    def __init__(self, args: argparse.Namespace, mp: Any, device: Any) -> None:
+        import torch
+        from comfy.ldm.models.autoencoder import AutoencoderKL
+
+        from benchmarks.models import init_weights
+
+        channels = int(mp.model.latent_format.latent_channels)
+        ddconfig = {"double_z": True, "z_channels": channels, "resolution": 256, "in_channels": 3, "out_ch": 3,
+                    "ch": 32 if args.tiny else 128, "ch_mult": [1, 2] if args.tiny else [1, 2, 4, 4],
+                    "num_res_blocks": 1 if args.tiny else 2, "attn_resolutions": [], "dropout": 0.0}
+        self.device = device
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        torch.manual_seed(args.seed)
+        vae = init_weights(AutoencoderKL(ddconfig=ddconfig, embed_dim=channels).eval()).to(device, self.dtype)
+        self.fn = vae.decode
+        if args.compiler == "nexfort":  # as the Nexfort Compile VAE node compiles it
+            import nexfort_engine
+
+            config = json.loads(args.compiler_config or "{}")
+            self.fn = nexfort_engine.compile(vae, config, cache_dir=os.environ.get("NEXFORT_CACHE_DIR"),
+                                             method="decode")
+        self.seconds: list[float] = []
+
+    def __call__(self, latent: Any) -> float:
+        from benchmarks import metrics
+
+        z = latent.to(self.device, self.dtype)
+        metrics.sync(self.device)
+        t0 = time.perf_counter()
+        self.fn(z)
+        metrics.sync(self.device)
+        self.seconds.append(time.perf_counter() - t0)
+        return self.seconds[-1]
 
 
 def apply_compiler(mp: Any, compiler: str, config_json: str) -> Any:
@@ -496,6 +539,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         result.update(runner.count_flops(mp, height, width))
 
     target = apply_compiler(mp, args.compiler, args.compiler_config)
+    decoder = Decoder(args, mp, device) if args.vae_decode else None
     graphs0 = metrics.dynamo_unique_graphs()
     if args.compiler == "nexfort":
         import nexfort_engine
@@ -508,12 +552,15 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         # first sampling through the compiled model: warm-up with compilation
         latent, m = runner.run(target, height, width, args.steps)
         result["warmup_s"] = m["e2e_s"]
+        if decoder is not None:  # the first image: the first sampling, then its decode
+            result["vae_first_decode_s"] = decoder(latent)
+            result["first_image_s"] = m["e2e_s"] + result["vae_first_decode_s"]
         result["counts_after_warmup"] = metrics.compile_counts(args.compiler, graphs0)
         if args.compiler == "nexfort" and compiling_in_background():
             # "background": the warm-up ran eager while a child compiles; "static_first": it ran a
             # static graph compiled for its shape while a child compiles the dynamic one. Sample on
             # until the child is done (its graphs loaded, or ready in the cache for the next shape)
-            rows = result["background_runs"] = background_samplings(runner, target, height, width, args, m)
+            rows = result["background_runs"] = background_samplings(runner, target, height, width, args, m, decoder)
             if "background" not in rows[-1]["states"].values():  # from the warm-up's start
                 result["background_until_compiled_s"] = round(rows[-1]["start_s"] + rows[-1]["e2e_s"], 3)
         result["compile_phases_s"] = metrics.compile_phases()
@@ -530,6 +577,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result["e2e_s"] = metrics.median([r["e2e_s"] for r in runs])
     result["host_ms_per_step"] = metrics.median([r.get("host_ms_per_step") for r in runs])
     result["peak_mem_gib"] = metrics.peak_gib(device) if runs else None
+    if decoder is not None and latent is not None:  # the decode's own speed, after everything above
+        for _ in range(3):
+            decoder(latent)
+        result["vae_decode_ms"] = round(metrics.median(decoder.seconds[-3:]) * 1000, 2)
     result.update(metrics.compile_counts(args.compiler, graphs0))
     if args.compiler != "none":
         result["cudagraphs"] = metrics.cudagraph_state()
@@ -583,9 +634,10 @@ def compiling_in_background() -> bool:
 
 
 def background_samplings(runner: Runner, target: Any, height: int, width: int, args: argparse.Namespace,
-                         first: dict) -> list[dict]:
+                         first: dict, decoder: Decoder | None = None) -> list[dict]:
     """``"background": true``: samplings after the warm-up until no model compiles in a child any
-    more, each with its start time after the warm-up's start, wall time, it/s and the states."""
+    more, each with its start time after the warm-up's start, wall time, it/s and the states (with
+    ``--vae-decode``, each sampling's latent decoded after it, as a workflow would)."""
     import nexfort_engine
     from benchmarks import metrics
 
@@ -601,8 +653,10 @@ def background_samplings(runner: Runner, target: Any, height: int, width: int, a
     while "background" in rows[-1]["states"].values() and time.perf_counter() - t0 < args.background_wait:
         start = time.perf_counter() - t0
         metrics.reset_peak(device)
-        _, m = runner.run(target, height, width, args.steps)
+        lat, m = runner.run(target, height, width, args.steps)
+        decode_s = decoder(lat) if decoder is not None else None
         rows.append({"start_s": round(start, 3), "e2e_s": m["e2e_s"], "it_s": m.get("it_s"), "states": states(),
+                     "decode_s": decode_s,
                      # the device's and the host's median step: which of the two a compile beside it slows
                      "step_ms_median": metrics.median(m.get("step_ms") or []),
                      "host_step_ms_median": metrics.median(m.get("host_step_ms") or []),

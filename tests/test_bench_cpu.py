@@ -65,7 +65,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     return {
         "none": _bench(tmp, "none", "--compiler", "none", "--profile"),
         "nexfort": _bench(tmp, "nexfort", "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}',
-                          "--cfg", "2", "--profile-host"),
+                          "--cfg", "2", "--profile-host", "--vae-decode"),
         "_dir": {"path": str(tmp)},
     }
 
@@ -101,6 +101,9 @@ def test_nexfort_run(results):
     # the eager backend runs the same kernels: the compiled latent equals eager's up to rounding
     err = r["err_vs_eager"]
     assert err["finite"] and err["max_abs"] < 1e-3, err
+    # --vae-decode: the first image is the first sampling and its decode (Flux's 16 latent channels)
+    assert r["vae_first_decode_s"] > 0 and r["vae_decode_ms"] > 0
+    assert abs(r["first_image_s"] - (r["warmup_s"] + r["vae_first_decode_s"])) < 1e-6
 
 
 def test_report_merges_runs(results, tmp_path):

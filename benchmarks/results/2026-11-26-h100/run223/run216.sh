@@ -25,6 +25,10 @@ for r in d["runs"]:
           "step", round(s.median([b["step_ms_median"] for b in bg]), 2) if bg else None, "host", round(s.median([b["host_step_ms_median"] for b in bg]), 2) if bg else None,
           "bg peak", round(max(b.get("peak_gib") or 0 for b in bg), 3) if bg else None, "dev used max", round(max(b.get("device_used_gib") or 0 for b in bg), 2) if bg else None,
           "compiles", r.get("compiles"), "recompiles", r.get("recompiles"), "fallbacks", r.get("fallbacks"), "peak", r.get("peak_mem_gib"), "eager_warmup", r.get("eager_warmup_s"), "bg", r.get("background"))
+    if "first_image_s" in r:
+        print("  first image", round(r["first_image_s"], 2), "vae first decode", round(r["vae_first_decode_s"], 2), "vae ms", r.get("vae_decode_ms"),
+              "decodes meanwhile", [round(b["decode_s"], 3) for b in r.get("background_runs") or [] if b.get("decode_s")][:3], "...",
+              [round(b["decode_s"], 3) for b in r.get("background_runs") or [] if b.get("decode_s")][-3:])
     sw = r.get("sweep") or []
     if sw:
         print("  sweep new compiles", sum(w.get("new_compiles", 0) for w in sw), "first_s max", round(max(w["first_s"] for w in sw), 2))
@@ -42,12 +46,12 @@ vae() { # tag options other
   tar czf $OUT/r.tgz -C $W r
 }
 comfy() { local tag=$1; local t0=$(date +%s)
-  timeout 300 python3 benchmarks/text_to_image.py --comfy-root $W/ComfyUI --fp32-reference never --compiler comfy --model $2 --cache-dir $W/cache/$tag-$RANDOM --repeat 1 --output-json $RD/$tag.json > $RD/$tag.log 2>&1
+  timeout 300 python3 benchmarks/text_to_image.py --comfy-root $W/ComfyUI --fp32-reference never --compiler comfy --model $2 --cache-dir $W/cache/$tag-$RANDOM --repeat 1 ${EXTRA:-} --output-json $RD/$tag.json > $RD/$tag.log 2>&1
   echo "$tag done $(( $(date +%s) - t0 ))s" | tee -a $RD/summary.txt
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; print('  comfy warmup', round(r.get('warmup_s'),2), 'it/s', [round(x['it_s'],2) for x in r['runs']])" $RD/$tag.json | tee -a $RD/summary.txt
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; print('  comfy warmup', round(r.get('warmup_s'),2), 'it/s', [round(x['it_s'],2) for x in r['runs']], 'first image', r.get('first_image_s'), 'vae ms', r.get('vae_decode_ms'))" $RD/$tag.json | tee -a $RD/summary.txt
   tar czf $OUT/r.tgz -C $W r
 }
-for t in "$@"; do EXTRA=""; case $t in *sweep*) EXTRA="--run-multiple-resolutions";; esac
+for t in "$@"; do EXTRA=""; case $t in *sweep*) EXTRA="--run-multiple-resolutions";; *_img*) EXTRA="--vae-decode";; esac
   case $t in
     venc_sf*) METHOD=encode vae $t '{"static_first": true}';;
     venc_dyn*) METHOD=encode vae $t '{}';;
