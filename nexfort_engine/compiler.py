@@ -9,9 +9,10 @@
    patches only (``compile_fx(config_patches=...)``);
 3. new artifacts are hashed into the entry's manifest.
 
-With ``"static_first"`` (auto: a UNet's forward or a VAE's decode/encode on a GPU), a cold first call instead compiles a
-static-shape twin for its own size and runs it, and a child process (:mod:`nexfort_engine.background`)
-compiles the dynamic graph; the twin runs the calls it fits until the first other size loads that.
+With ``"static_first"`` (auto: a UNet's forward or a VAE's decode/encode on a GPU), a cold first
+call instead compiles a static-shape twin for its own size and runs it, and a child process
+(:mod:`nexfort_engine.background`) compiles the dynamic graph; the twin runs the calls it fits
+until the first other size loads that.
 
 Any exception while compiling or running compiled code is caught here once: counted, logged with
 its reason, and that call — and every later one of this module — runs eager. Weights stay live

@@ -76,8 +76,8 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             'By default on a GPU, a UNet\'s first compile is static-shape for the first size (SDXL '
             "~31-40 s cold on an H100, ComfyUI's own 79-80 s) while a background process compiles the "
             "any-size graph, used from the first other size on (other sizes run uncompiled until it is "
-            'ready; a VAE\'s decode and encode do the same: SDXL\'s VAE 25-29 s instead of 42-45 s before its first 1024² '
-            'image); {"static_first": false} compiles the any-size graph at once. '
+            'ready; a VAE\'s decode and encode do the same: SDXL\'s VAE 25-29 s instead of 42-45 s '
+            'before its first 1024² image); {"static_first": false} compiles the any-size graph at once. '
             "Validated when the prompt is queued.",
         )
     )
