@@ -59,6 +59,7 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
 
     import nexfort_engine
     from benchmarks.metrics import latent_error
+    from benchmarks.text_to_image import compiling_in_background
 
     def timed(fn) -> tuple[float, list[float], torch.Tensor]:
         times, out = [], None
@@ -101,8 +102,7 @@ def child(args: argparse.Namespace, fmt: str, cache: str | None) -> dict:
             if args.other_size:  # another size once no child compiles: the hand-over (static first)
                 # decode on meanwhile, as a user would: a model leaves "background" at a call
                 t0, waits = time.perf_counter(), 0
-                while (any(m.get("state") == "background" for m in nexfort_engine.stats()["models"].values())
-                       and time.perf_counter() - t0 < args.background_wait):
+                while compiling_in_background() and time.perf_counter() - t0 < args.background_wait:
                     cm(z)
                     torch.cuda.synchronize()
                     waits += 1

@@ -1195,11 +1195,13 @@ class CompiledModule(torch.nn.Module):
             log.info("nexfort: cache entry %s committed (%d bytes) in %s", entry.key, size, entry.path)
 
     # -- background compile (background.py)
-    def _start_background(self, args: tuple, kwargs: dict, example: torch.Tensor | None,
-                          workers: int | None) -> bool:
-        """Start compiling in a child process with ``workers`` compile processes (``None``: auto,
-        split.workers); ``False`` (and why, in the counters and the log) where this call compiles in
-        the foreground instead: a warm entry loads faster here."""
+    def _start_background(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> bool:
+        """Start compiling in a child process; ``False`` (and why, in the counters and the log)
+        where this call compiles in the foreground instead: a warm entry loads faster here. The
+        child compiles with compile workers as a foreground compile would (``compile_workers``,
+        auto: split.workers). With one intra-op thread between calls here (intraop.py) the eager
+        steps keep their speed: SD2.1's child 47.1 s instead of 93.9 s alone, eager 35.1 against
+        36.9 it/s meanwhile (run220)."""
         entry = self._nx_entry
         why = None
         if entry is None or self._nx_store is None:
@@ -1216,8 +1218,7 @@ class CompiledModule(torch.nn.Module):
             try:
                 self._nx_job = background.start(
                     root=self._nx_store.root, key=entry.key, module=self._orig_mod, args=args, kwargs=kwargs,
-                    config=dataclasses.replace(self._nx_config, background=False, static_first=False,
-                                               compile_workers=workers),
+                    config=dataclasses.replace(self._nx_config, background=False, static_first=False),
                     label=self._nx_name,
                     method=self._nx_method, block_hook=self._nx_block_hook if self._nx_regions else None,
                     skip=(CompiledModule,), child_globals=self._nx_child_globals,
@@ -1320,7 +1321,7 @@ class CompiledModule(torch.nn.Module):
         # not a submodule (its state dict would repeat the model's)
         object.__setattr__(self, "_nx_static", twin)
         counters.set_info(self._nx_label, static_first=f"static graph for {shape} in {seconds:.1f}s ({twin.label})")
-        if self._start_background(job_args, job_kwargs, example, workers=cfg.compile_workers):
+        if self._start_background(job_args, job_kwargs, example):
             log.info("nexfort: %s: ran a static graph for %s (%.1fs); the dynamic graph compiles in the background",
                      self._nx_label, shape, seconds)
         else:
@@ -1409,13 +1410,7 @@ class CompiledModule(torch.nn.Module):
                             t_setup = time.perf_counter()
                             self._setup(example)
                             counters.set_phase(self._nx_label, "setup", time.perf_counter() - t_setup)
-                            # "background": the child compiles with compile workers as a foreground
-                            # compile would (auto: up to 8 on a GPU). With one intra-op thread between
-                            # calls (intraop.py) the eager steps keep their speed: SD2.1's child 47.1 s
-                            # instead of 93.9 s, eager 35.1 against 36.9 it/s meanwhile (run220)
-                            workers = self._nx_config.compile_workers
-                            if self._nx_config.background and self._start_background(args, kwargs, example,
-                                                                                     workers=workers):
+                            if self._nx_config.background and self._start_background(args, kwargs, example):
                                 return self._eager(*args, **kwargs)
                             if (why := self._static_first_off(example)) is None:
                                 return self._compile_static_first(args, kwargs, example)
