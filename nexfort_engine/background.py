@@ -22,7 +22,10 @@ wrappers found inside the module (the node layer keeps its compiled modules in t
 ``__dict__``) travel as ``None``. Whatever cannot be pickled (a lambda inside the inputs, a tensor
 subclass) raises :class:`Unavailable`, and the caller compiles in the foreground instead.
 
-The child watches its parent and exits when the parent does; the parent terminates a child it no
+The child watches its parent and exits when the parent does. It exits at once after writing its
+report (:func:`exit_now`): the parent waits for its exit (its device memory) before it loads the
+compile, and a normal interpreter exit waits for Inductor's compile pool to wind down (10 s and
+more on a 2-core machine). The parent terminates a child it no
 longer needs (its module collected, its own exit). A child that fails to start or dies leaves no
 entry behind (an entry is only trusted once committed) and the parent compiles in the
 foreground. A compile that fails in the child is reported back, and the parent runs eager, as
@@ -49,6 +52,7 @@ import logging
 import marshal
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -56,7 +60,7 @@ import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
@@ -74,7 +78,7 @@ LOG_FILE = "child.log"
 PART_FILE = "part.bin"
 PART_IN_FILE = "part_in.bin"
 #: the child's program (``-c``: ``-m`` would run a second copy of this module as ``__main__``)
-_CHILD = "import sys; from nexfort_engine.background import child_main; sys.exit(child_main(sys.argv[1]))"
+_CHILD = "import sys; from nexfort_engine.background import child_main, exit_now; exit_now(child_main(sys.argv[1]))"
 #: the child's scheduling priority offset (Linux/macOS ``nice``)
 NICE = 10
 #: how often the child checks that its parent is still alive
@@ -423,9 +427,50 @@ def _watch_parent(parent: int) -> None:
         while True:
             time.sleep(PARENT_POLL_S)
             if os.getppid() != parent:
-                os._exit(3)
+                exit_now(3)
 
     threading.Thread(target=run, name="nexfort-parent-watch", daemon=True).start()
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, theirs, ...), from Linux's ``/proc``; none elsewhere."""
+    parents: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(ppid, []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def exit_now(code: int) -> NoReturn:
+    """The child's exit once its report is written: its own children (Inductor's compile pool and
+    its workers, compile workers) killed, its log flushed, no interpreter teardown. That teardown
+    shuts the compile pool down gracefully and can take 10 s (Inductor gives a worker that long
+    to exit), while the parent runs eager waiting for this exit."""
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _write_result(path: Path, report: dict[str, Any]) -> None:

@@ -54,13 +54,20 @@ def _record(stats) -> dict:
     return next(iter(models.values()))
 
 
-def _wait_done(cm: nexfort_engine.CompiledModule) -> None:
+def _wait_done(cm: nexfort_engine.CompiledModule) -> float:
+    """Wait for the child's exit; the seconds from its report to its exit (from the exit of one
+    that died without a report: 0)."""
     job = cm._nx_job
     assert job is not None
     deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while not job.done():
+    while not (job.path / background.RESULT_FILE).exists() and not job.done():
         assert time.monotonic() < deadline, f"child still running; log: {job.path / background.LOG_FILE}"
-        time.sleep(0.5)
+        time.sleep(0.05)
+    reported = time.monotonic()
+    while not job.done():
+        assert time.monotonic() < deadline, f"child still exiting; log: {job.path / background.LOG_FILE}"
+        time.sleep(0.02)
+    return time.monotonic() - reported
 
 
 # -- what travels ---------------------------------------------------------------------------------
@@ -226,6 +233,59 @@ def test_child_is_cancelled_with_its_module(tmp_path, fresh_stats, clean_dynamo)
     assert job.proc.returncode != 0
 
 
+def _processes() -> list[tuple[int, bytes]]:
+    """(pid, command line) of the processes running here."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                out.append((int(p.name), (p / "cmdline").read_bytes().replace(b"\0", b" ")))
+            except OSError:
+                pass
+    return out
+
+
+_EXIT_CHILD = """
+import subprocess, sys, time
+from pathlib import Path
+from nexfort_engine import background
+kids = [subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"])
+        for _ in range(2)]
+time.sleep(1.0)
+Path(sys.argv[1]).write_text(" ".join(map(str, background.descendants(background.os.getpid()))))
+print("flushed at exit", end="")
+background.exit_now(7)
+"""
+
+
+def test_child_exits_at_once_with_its_children(tmp_path):
+    """:func:`background.exit_now`: the exit code given, stdout flushed, and every process below
+    it (two children and a grandchild each, as Inductor's compile pool has) killed, not orphaned."""
+    import subprocess
+    import sys
+
+    listed = tmp_path / "descendants"
+    proc = subprocess.run([sys.executable, "-c", _EXIT_CHILD, str(listed)], capture_output=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 7, proc.stderr.decode()[-2000:]
+    assert proc.stdout.decode() == "flushed at exit"
+    pids = [int(p) for p in listed.read_text().split()]
+    assert len(pids) == 4, pids
+    deadline = time.monotonic() + 10
+    while alive := [p for p in pids if _alive(p)]:
+        assert time.monotonic() < deadline, f"still running: {alive}"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
 # -- the hand-over, with real Inductor compiles in the child --------------------------------------
 
 
@@ -239,7 +299,11 @@ def test_parent_runs_what_the_child_compiled(tmp_path, fresh_stats, clean_dynamo
         out = cm(x, opts={"k": 1})
         assert _record(fresh_stats)["state"] == "background"
         torch.testing.assert_close(out, ref)  # eager meanwhile
-        _wait_done(cm)
+        pid = cm._nx_job.proc.pid
+        # it exits as it reports (background.exit_now), its compile pool killed with it: a normal
+        # interpreter exit winds the pool down first, 1.3 s here and sometimes 10 s
+        assert _wait_done(cm) < 1.0
+        assert not [p for p in _processes() if f"--parent={pid}".encode() in p[1]]
         out = cm(x, opts={"k": 1})
     rec = _record(fresh_stats)
     assert rec["state"] == "compiled" and rec["background"].startswith("done in ")
