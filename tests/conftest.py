@@ -14,6 +14,7 @@ Environment:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,11 +74,15 @@ def comfy_base(tmp_path_factory, tiny_ckpt) -> Path:
 
 
 @pytest.fixture(scope="session")
-def workflow_assets(comfy_base, tiny_ckpt) -> dict[str, Path]:
-    """Every model file the shipped ``workflows/api`` graphs refer to, placed in the shared base dir
-    (the checkpoint is already linked; the tiny LoRA is written next to it, without ComfyUI)."""
+def workflow_assets(comfy_host, comfy_base, tiny_ckpt) -> dict[str, Path]:
+    """Every file the shipped ``workflows/api`` graphs refer to, placed in the shared base dir (the
+    checkpoint is already linked; the tiny LoRA is written next to it, without ComfyUI; the img2img
+    graph's ``example.png`` is the one ComfyUI ships in its ``input/``, as a user's ComfyUI has it)."""
     lora = tiny_lora.ensure_tiny_lora(tiny_ckpt, comfy_base / "models" / "loras" / tiny_lora.LORA_NAME)
-    return {"checkpoints": tiny_ckpt, "loras": lora}
+    image = comfy_base / "input" / "example.png"
+    if not image.exists():
+        shutil.copyfile(comfy_host / "input" / "example.png", image)
+    return {"checkpoints": tiny_ckpt, "loras": lora, "input": image}
 
 
 @pytest.fixture(scope="session")

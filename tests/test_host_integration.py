@@ -20,6 +20,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = sorted((REPO / "workflows" / "api").glob("*.json"))
 COMPILED_WORKFLOW = REPO / "workflows" / "api" / "txt2img_compiled.json"
+IMG2IMG_WORKFLOW = REPO / "workflows" / "api" / "img2img_compiled.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _seeds = itertools.count(1000)
 
@@ -105,6 +106,31 @@ def test_api_workflow_produces_image(comfy, workflow_assets, workflow):
         assert after["fallbacks"] == before["fallbacks"], f"compiled path fell back: {after['fallback_reasons']}"
         # traced here, or loaded from a graph an earlier test saved (nexfort_engine/precompile.py)
         assert after["compiles"] + after["cache_hits"] > 0, f"nothing was compiled or loaded: {after}"
+
+
+def test_img2img_runs_the_compiled_encode_and_decode(comfy, workflow_assets):
+    """The shipped img2img graph: ComfyUI's example.png scaled, encoded by the compiled VAE, sampled
+    at denoise 0.75 by the compiled UNet, decoded by the compiled VAE. A second run at another image
+    size (ComfyUI would reuse the first run's latent for the same image) compiles nothing: every
+    compiled part's graph serves it, with no recompile. Smaller, not larger: on CPU a batch-1 conv
+    net's graph guards on the input's size where oneDNN's convolution takes over from the plain
+    one (``input numel > 20480``, Dynamo's fake convolution asks ATen which backend runs it), and a
+    64x64 image's encode sits just below that line (README, *Dynamic shape without recompiles*)."""
+    _run(comfy, IMG2IMG_WORKFLOW)
+    before = _engine(comfy)
+    graph = comfy_server.set_seed(comfy_server.load_workflow(IMG2IMG_WORKFLOW), next(_seeds))
+    graph[comfy_server.find_node(graph, "ImageScale")]["inputs"]["width"] = 48
+    result = comfy.run(graph, timeout=900)
+    assert result.status.get("status_str") == "success" and result.images, result.status
+    after = _engine(comfy)
+    vae = {label: m for label, m in after["models"].items() if m.get("node_ids") and "9" in map(str, m["node_ids"])}
+    methods = {label.split(":")[0].rsplit(".", 1)[-1] for label in vae}
+    assert {"encode", "decode"} <= methods, sorted(after["models"])
+    for label, m in vae.items():
+        assert m["state"] == "compiled" and m["fallbacks"] == 0, (label, m)
+        assert m["calls"] > before["models"][label]["calls"], (label, m)  # the second run called it
+    assert after["compiles"] == before["compiles"] and after["recompiles"] == before["recompiles"], after
+    assert after["fallbacks"] == before["fallbacks"], after["fallback_reasons"]
 
 
 def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
