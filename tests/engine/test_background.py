@@ -252,8 +252,10 @@ from nexfort_engine import background
 kids = [subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"])
         for _ in range(2)]
-time.sleep(1.0)
-Path(sys.argv[1]).write_text(" ".join(map(str, background.descendants(background.os.getpid()))))
+deadline = time.monotonic() + 60
+while len(found := background.descendants(background.os.getpid())) < 4 and time.monotonic() < deadline:
+    time.sleep(0.05)  # each child starts Python, then its own child
+Path(sys.argv[1]).write_text(" ".join(map(str, found)))
 print("flushed at exit", end="")
 background.exit_now(7)
 """
@@ -299,10 +301,11 @@ def test_parent_runs_what_the_child_compiled(tmp_path, fresh_stats, clean_dynamo
         out = cm(x, opts={"k": 1})
         assert _record(fresh_stats)["state"] == "background"
         torch.testing.assert_close(out, ref)  # eager meanwhile
-        pid = cm._nx_job.proc.pid
-        # it exits as it reports (background.exit_now), its compile pool killed with it: a normal
-        # interpreter exit winds the pool down first, 1.3 s here and sometimes 10 s
-        assert _wait_done(cm) < 1.0
+        pid, log_file = cm._nx_job.proc.pid, cm._nx_job.path / background.LOG_FILE
+        # it exits as it reports (background.exit_now), whatever it started killed with it: a normal
+        # interpreter exit tears torch down first, 1.3-1.9 s here and once 10 s
+        assert _wait_done(cm) < 3.0
+        assert "nexfort: exiting with code 0 (" in log_file.read_text()
         assert not [p for p in _processes() if f"--parent={pid}".encode() in p[1]]
         out = cm(x, opts={"k": 1})
     rec = _record(fresh_stats)
