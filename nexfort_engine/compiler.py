@@ -896,13 +896,14 @@ class CompiledModule(torch.nn.Module):
         trace_args = shapes.fold_spatial(trace_args, self._nx_fold)
         target = self._aot_target(example)
         self_name = next(iter(inspect.signature(target).parameters), None)
-        # F.linear as an op that only allocates while Dynamo traces; the backend restores it
-        # (trace_ops.py). Only here: a saved graph's guards are ours to fingerprint
-        # (torch.compile's live guard on F.linear would fail once it is restored)
+        # F.linear as an op that only allocates while Dynamo traces (the backend restores it) and
+        # torch.linspace with a symbolic length (trace_ops.py). Only here: a saved graph's guards
+        # are ours to fingerprint (torch.compile's live guard on a stand-in would fail once the
+        # real function is back)
         call = (self._orig_mod, *trace_args)
         watching = self._nx_stream.watching() if self._nx_stream is not None else contextlib.nullcontext()
-        with trace_ops.standing_in(stand_ins_enabled() and trace_ops.plain(self._orig_mod, call, trace_kwargs)), \
-                watching:
+        with trace_ops.standing_in(stand_ins_enabled() and trace_ops.plain(self._orig_mod, call, trace_kwargs),
+                                   symbolic_linspace=True), watching:
             return precompile.trace(target, call, trace_kwargs, self._backend, self_name,
                                     originals=trace_ops.originals())
 
