@@ -6,7 +6,8 @@ few blocks and small hidden sizes, and random finite weights drawn from a fixed 
 ``comfy.ops`` layers are created uninitialised, and their ``reset_parameters`` is a no-op).
 
     boot()                      # ComfyUI on sys.path, --cpu, SDPA attention, grad off
-    mp = tiny_sd15()            # or tiny_pixart(), tiny_flux(); FAMILIES maps name -> builder
+    mp = tiny_sd15()            # or tiny_pixart(), tiny_flux(), tiny_sd3(), tiny_lumina2(), tiny_wan21(),
+                                # tiny_qwen_image(); FAMILIES maps name -> builder
     latent = sample(mp, h=64, w=64, batch=1, steps=3, cfg=5.0, ctx_len=77)   # comfy.sample.sample
     out = call_diffusion(mp, h=64, w=96, batch=2, ctx_len=77)                # diffusion_model(...)
 
@@ -91,6 +92,8 @@ class Tiny:
     cond_extra: Callable[[], dict[str, Any]]
     #: extra kwargs for a direct diffusion_model call, given (batch, h_lat, w_lat)
     call_extra: Callable[[int, int, int], dict[str, Any]]
+    #: the latent has a frame axis, ``[B, C, T, H, W]`` (Wan, Qwen-Image), sampled with one frame
+    frames: bool = False
 
 
 SPECS: dict[str, Tiny] = {}
@@ -153,8 +156,70 @@ def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1) -> Any:
     return _patcher(model, SPECS["flux"])
 
 
+def tiny_sd3(seed: int = 0, depth: int = 2) -> Any:
+    """SD3 MMDiT: ``depth`` (2) joint blocks (hidden 64 per block of depth), patch 2, RMS q/k norm,
+    the first block's extra x self-attention (SD3.5's), pooled conditioning."""
+    boot()
+    import comfy.supported_models
+
+    unet_config = {
+        "in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": depth, "adm_in_channels": 32,
+        "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 48, "out_features": 64 * depth}},
+        "pos_embed_max_size": 32, "num_patches": 1024, "pos_embed_scaling_factor": None, "qk_norm": "rms",
+        "x_block_self_attn_layers": [0],
+    }
+    model = init_weights(comfy.supported_models.SD3(unet_config).get_model({}), seed)
+    return _patcher(model, SPECS["sd3"])
+
+
+def tiny_lumina2(seed: int = 0, depth: int = 2) -> Any:
+    """Lumina Image 2.0 NextDiT: ``depth`` (2) layers and one refiner layer each for the image and
+    the caption, hidden 64, 2 heads, 3-axis RoPE."""
+    boot()
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 48,
+        "n_layers": depth, "n_heads": 2, "n_kv_heads": 2, "axes_dims": [8, 12, 12], "axes_lens": [300, 512, 512],
+        "rope_theta": 10000.0, "n_refiner_layers": 1, "qk_norm": True, "ffn_dim_multiplier": 1.0,
+    }
+    model = init_weights(comfy.supported_models.Lumina2(unet_config).get_model({}), seed)
+    return _patcher(model, SPECS["lumina2"])
+
+
+def tiny_wan21(seed: int = 0, depth: int = 2) -> Any:
+    """Wan 2.1 text-to-video DiT: ``depth`` (2) blocks, hidden 64, 2 heads, patch (1, 2, 2); a
+    one-frame latent is a text-to-image run."""
+    boot()
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "wan2.1", "model_type": "t2v", "patch_size": (1, 2, 2), "text_len": 16, "in_dim": 16,
+        "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 48, "out_dim": 16, "num_heads": 2, "num_layers": depth,
+    }
+    model = init_weights(comfy.supported_models.WAN21_T2V(unet_config).get_model({}), seed)
+    return _patcher(model, SPECS["wan21"])
+
+
+def tiny_qwen_image(seed: int = 0, depth: int = 2) -> Any:
+    """Qwen-Image MMDiT: ``depth`` (2) blocks, 2 heads of 32, patch 2, 3-axis RoPE."""
+    boot()
+    import comfy.supported_models
+
+    unet_config = {
+        "image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": depth,
+        "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 48, "axes_dims_rope": (8, 12, 12),
+    }
+    model = init_weights(comfy.supported_models.QwenImage(unet_config).get_model({}), seed)
+    return _patcher(model, SPECS["qwen_image"])
+
+
 def _no_extra(*_a: Any) -> dict[str, Any]:
     return {}
+
+
+def _pooled() -> dict[str, Any]:
+    return {"pooled_output": torch.randn(1, 32, generator=torch.Generator().manual_seed(7))}
 
 
 SPECS.update(
@@ -168,6 +233,10 @@ SPECS.update(
             "guidance": torch.full((b,), 3.5),
         },
     ),
+    sd3=Tiny("sd3", 16, 48, _pooled, lambda b, h, w: {"y": torch.randn(b, 32, generator=torch.Generator().manual_seed(7))}),
+    lumina2=Tiny("lumina2", 16, 48, _no_extra, _no_extra),
+    wan21=Tiny("wan21", 16, 48, _no_extra, _no_extra, frames=True),
+    qwen_image=Tiny("qwen_image", 16, 48, _no_extra, _no_extra, frames=True),
 )
 
 #: name -> (square, landscape, portrait) pixel sizes the family handles. PixArt derives its
@@ -176,10 +245,17 @@ RESOLUTIONS: dict[str, list[tuple[int, int]]] = {
     "sd15": [(64, 64), (64, 96), (96, 64)],
     "pixart": [(384, 384), (384, 512), (512, 384)],
     "flux": [(64, 64), (64, 96), (96, 64)],
+    "sd3": [(64, 64), (64, 96), (96, 64)],
+    "lumina2": [(64, 64), (64, 96), (96, 64)],
+    "wan21": [(64, 64), (64, 96), (96, 64)],
+    "qwen_image": [(64, 64), (64, 96), (96, 64)],
 }
 
 #: name -> builder
-FAMILIES: dict[str, Callable[..., Any]] = {"sd15": tiny_sd15, "pixart": tiny_pixart, "flux": tiny_flux}
+FAMILIES: dict[str, Callable[..., Any]] = {
+    "sd15": tiny_sd15, "pixart": tiny_pixart, "flux": tiny_flux, "sd3": tiny_sd3, "lumina2": tiny_lumina2,
+    "wan21": tiny_wan21, "qwen_image": tiny_qwen_image,
+}
 
 
 def _conds(spec: Tiny, ctx_len: int, seed: int) -> tuple[list, list]:
@@ -206,7 +282,8 @@ def sample(
 
     spec: Tiny = mp.model.nexfort_tiny
     gen = torch.Generator().manual_seed(seed)
-    latent = torch.zeros(batch, spec.latent_channels, h // 8, w // 8)
+    frames = (1,) if spec.frames else ()
+    latent = torch.zeros(batch, spec.latent_channels, *frames, h // 8, w // 8)
     noise = torch.randn(latent.shape, generator=gen)
     pos, neg = _conds(spec, ctx_len, seed + 1)
     return comfy.sample.sample(

@@ -1,7 +1,9 @@
 """The pack's glue (``compile_model_patcher``) on every tiny family of the zoo: one UNet (SD1.5) and
-two DiTs (PixArt-alpha, Flux), built through ComfyUI's own model classes, sampled through ComfyUI's
-real sampler. Backend eager (the logic under test is the wrapper, not Inductor's code): outputs
-equal the unwrapped model's, the compile is counted under the node id, nothing falls back.
+six DiTs (PixArt-alpha, Flux, SD3, Lumina 2, Wan 2.1, Qwen-Image), built through ComfyUI's own
+model classes, sampled through ComfyUI's real sampler. Backend eager (the logic under test is the
+wrapper, not Inductor's code): outputs equal the unwrapped model's, the compile is counted under
+the node id, nothing falls back. And with Inductor, the DiTs that build their position ids with
+``torch.linspace(steps=n)`` compiled whole: one graph over three resolutions (trace_ops.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ EAGER = {"mode": "O2", "backend": "eager"}
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("family", ["sd15", "pixart", "flux"])
+@pytest.mark.parametrize("family", ["sd15", "pixart", "flux", "sd3", "lumina2", "wan21", "qwen_image"])
 def test_compile_model_patcher_on_each_family(patcher, comfy_inproc, fresh_stats, family):
     mp = tm.FAMILIES[family](seed=11)
     cfg = nexfort_engine.parse_options(EAGER)
@@ -32,6 +34,28 @@ def test_compile_model_patcher_on_each_family(patcher, comfy_inproc, fresh_stats
     rec = recs[0]
     assert rec["state"] == "compiled" and rec["fallbacks"] == 0, rec["fallback_reasons"]
     # a new step count reuses the graph (the schedule length is symbolic)
+    assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("family", ["flux", "wan21", "qwen_image"])
+def test_linspace_position_ids_compile_once_for_every_resolution(patcher, comfy_inproc, fresh_stats, family):
+    """Flux, Wan 2.1 and Qwen-Image build their rotary position ids with ``torch.linspace(steps=n)``
+    over the latent's patches; compiled whole (a saved graph), that length stays symbolic
+    (trace_ops.linspace): three resolutions, two step counts and two prompt lengths are one graph,
+    and the images equal eager's. Before, every resolution compiled another graph (a guard such as
+    ``((1 + W) // 2) == 4``)."""
+    mp = tm.FAMILIES[family](seed=21)
+    cfg = nexfort_engine.parse_options({"mode": "O2", "regional": False})
+    compiled = patcher.compile_model_patcher(mp, cfg, node_id=f"ls-{family}")
+    cfg_scale = 1.0 if family == "flux" else 4.0
+    for i, (h, w) in enumerate(tm.RESOLUTIONS[family]):
+        steps, ctx = (2, 12) if i % 2 == 0 else (3, 20)
+        ref = tm.sample(mp, h, w, 1, steps, cfg_scale, ctx, seed=i)
+        out = tm.sample(compiled, h, w, 1, steps, cfg_scale, ctx, seed=i)
+        assert tm.rel_err(out, ref) <= 1e-4, (family, h, w)
+    rec = next(r for r in fresh_stats()["models"].values() if f"ls-{family}" in r["node_ids"])
+    assert rec["precompiled"] == "on" and rec["fallbacks"] == 0, rec
     assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]
 
 
