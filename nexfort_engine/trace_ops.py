@@ -44,8 +44,12 @@ resolution recompiles at the next. While the engine traces, ``torch.linspace`` w
 symbolic. Unlike ``F.linear`` nothing is restored: those ops are the graph's. Only the saved-graph
 trace swaps it (its guard on the stand-in is fingerprinted as ``torch.linspace``, as above); a
 ``torch.compile`` graph (regional compilation, fp8) would keep a live guard on the stand-in. Under
-regional compilation the position ids are built outside the compiled blocks anyway. Measured on
-the tiny zoo (CPU): Wan 2.1 and Qwen-Image 3 graphs over three sizes before, 1 after.
+regional compilation the position ids are built outside the compiled blocks anyway. On the tiny
+zoo (CPU, ``tests/nodes/test_patcher_families.py``): Flux, Wan 2.1 and Qwen-Image compiled whole
+took a graph per resolution before (three over three sizes), one now, equal to eager within 1e-4.
+Values: integer ids (the models' case) are the real op's exactly in float32/64; other spans within
+an ulp; 16-bit dtypes computed in float32 and rounded once, closer to the exact values than ATen's
+own 16-bit arithmetic (``tests/engine/test_trace_ops.py``).
 """
 
 from __future__ import annotations

@@ -180,3 +180,77 @@ def test_only_plain_tensors_are_traced_through_the_stand_in():
     assert not trace_ops.plain(net, (x,), {"opts": [x.as_subclass(Wrapped)]})
     net.weight = torch.nn.Parameter(net.weight.detach().as_subclass(Wrapped))
     assert not trace_ops.plain(net, (x,), {})
+
+
+# -- torch.linspace with a symbolic length ---------------------------------------------------------
+
+
+def _position_ids(x, start, extra):
+    """ComfyUI's Flux/Wan/Qwen-Image pattern: ids over the patches of a latent side."""
+    n = (x.shape[1] + 1) // 2
+    return torch.linspace(start, n - 1 + extra, steps=n, device=x.device, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_linspace_keeps_its_length_symbolic(dtype):
+    """Under the stand-in one dynamic graph serves every length (the real op's ``steps`` is a plain
+    int: Dynamo specialises it). Its values: integer ids in float32/64 exactly the real op's; any
+    span at most as far from the exact (float64) values as the real op's, or within an ulp of the
+    largest (16-bit dtypes are computed in float32 and rounded once; ATen rounds more often)."""
+    for start, extra in ((0, 0), (0.5, 2.25), (-3, 7)):
+        graphs = []
+
+        def backend(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        with trace_ops.standing_in(False, symbolic_linspace=True):
+            fn = torch.compile(_position_ids, backend=backend, dynamic=True, fullgraph=True)
+            for n in (8, 12, 16, 40, 600):
+                out = fn(torch.zeros(1, n, 2, dtype=dtype), start, extra)
+                steps = (n + 1) // 2
+                ref = torch.linspace(start, steps - 1 + extra, steps=steps, dtype=dtype)
+                exact = torch.linspace(start, steps - 1 + extra, steps=steps, dtype=torch.float64)
+                assert out.shape == ref.shape and out.dtype == dtype
+                if (start, extra) == (0, 0) and dtype in (torch.float32, torch.float64):
+                    assert torch.equal(out, ref)
+                ours = (out.double() - exact).abs().max().item()
+                theirs = (ref.double() - exact).abs().max().item()
+                assert ours <= max(theirs, torch.finfo(dtype).eps * exact.abs().max().item()), (n, start, extra)
+        torch._dynamo.reset()
+        assert len(graphs) == 1, (start, extra, len(graphs))
+        targets = _targets(graphs[0])
+        assert torch.linspace not in targets and trace_ops._LINSPACE not in targets
+
+
+def test_linspace_stand_in_is_the_real_op_elsewhere():
+    """Scoped and restored; outside a trace, and inside one where the symbolic form does not apply
+    (a tensor end, an integer dtype), it is the real op with every argument it was given."""
+    real = trace_ops._LINSPACE
+    assert torch.linspace is real
+    with trace_ops.standing_in(False, symbolic_linspace=True):
+        assert torch.linspace is trace_ops.linspace
+        with trace_ops.standing_in(symbolic_linspace=True):
+            assert torch.linspace is trace_ops.linspace and F.linear is trace_ops.linear
+        assert torch.linspace is trace_ops.linspace and F.linear is REAL
+        out = torch.empty(5)
+        torch.linspace(0.0, 1.0, 5, out=out)
+        torch.testing.assert_close(out, real(0.0, 1.0, 5), rtol=0, atol=0)
+        y = torch.linspace(start=-1, end=1, steps=4, dtype=torch.float64, requires_grad=True)
+        assert y.requires_grad and y.dtype == torch.float64
+        torch.testing.assert_close(y.detach(), real(-1, 1, 4, dtype=torch.float64), rtol=0, atol=0)
+
+        def fallbacks(x):
+            n = x.shape[0]
+            return torch.linspace(0, x[0], steps=4) + torch.linspace(0, n, steps=n, dtype=torch.int64).sum()
+
+        x = torch.full((6,), 3.0)
+        torch.testing.assert_close(torch.compile(fallbacks, backend="eager", dynamic=True)(x),
+                                   real(0, 3.0, 4) + real(0, 6, 6, dtype=torch.int64).sum())
+    assert torch.linspace is real
+    with pytest.raises(ValueError), trace_ops.standing_in(False, symbolic_linspace=True):
+        raise ValueError("trace failed")
+    assert torch.linspace is real
+    assert trace_ops.originals()[id(trace_ops.linspace)] is real
+    torch._dynamo.reset()
