@@ -513,7 +513,7 @@ class Artifact:
             return why
         manager = self.compiled._artifacts.guard_manager
         if not manager.check(f_locals):
-            return str(manager.check_verbose(f_locals).verbose_code_parts)[:500]
+            return str(failing_parts(manager.check_verbose(f_locals).verbose_code_parts, f_locals))[:500]
         if self._size_all is not None:
             return self._check_sizes(scope)
         return None
@@ -533,6 +533,23 @@ class Artifact:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled.fn(*args, **kwargs)
+
+
+def failing_parts(parts: Sequence[str], f_locals: dict[str, Any]) -> list[str]:
+    """The parts of a failed guard that are false for the call's locals. torch lists every part of
+    a relational guard (the shape environment's: dozens of size expressions, each with the source
+    line that made it) as its failure; the one that failed is what a recompile reason should name.
+    Parts this cannot evaluate (torch's helper functions, globals) are left out, and if none is
+    left, all are returned."""
+    false = []
+    for part in parts:
+        code = part.split("  #", 1)[0].strip()
+        try:
+            if not eval(code, {"__builtins__": builtins}, {"L": f_locals}):  # noqa: S307 - torch's printed guard
+                false.append(part)
+        except Exception:  # noqa: BLE001, S112 - a part that reads more than the call's locals
+            continue
+    return false or list(parts)
 
 
 def trace(

@@ -384,3 +384,18 @@ def nexfort_engine_compile(module, cache_dir):
     import nexfort_engine
 
     return nexfort_engine.compile(module, {"mode": "O2"}, cache_dir=cache_dir, label="unet-patches")
+
+
+def test_a_recompile_reason_names_the_parts_of_a_guard_that_failed():
+    """torch reports every part of a failed relational guard (the shape environment's); the reason
+    keeps those false for the call, or all where none can be evaluated here."""
+    x = torch.zeros(2, 12, 8)
+    parts = [
+        "L['x'].size()[0] == L['x'].size()[0]  # batch",
+        "((1 + L['x'].size()[1]) // 2) == 4  # ids = torch.linspace(0, h - 1, steps=h)",
+        "___check_obj_id(G['act'], 1234)  # act",
+        "L['x'].size()[2] >= 2  # pad",
+    ]
+    assert precompile.failing_parts(parts, {"x": x}) == [parts[1]]
+    assert precompile.failing_parts(parts[2:3], {"x": x}) == parts[2:3]
+    assert precompile.failing_parts([], {"x": x}) == []
