@@ -14,9 +14,11 @@ and 4 latent channels) and size 1 (batch 1) is specialised, so it recompiles. Me
 (torch 2.14.1, CPU): plain dynamic=True makes 5 graphs (SD1.5), 6 (PixArt), 6 (Flux) over the
 24 runs; only SD1.5 is re-measured in CI (each extra graph costs ~20 s of Dynamo tracing).
 
-Flux is a known miss (xfail, strict): ComfyUI's Flux ``process_img`` passes ``(w + 1) // 2`` as
+Flux is a known miss here (xfail, strict): ComfyUI's Flux ``process_img`` passes ``(w + 1) // 2`` as
 ``torch.linspace(steps=...)``, which specialises the latent width/height, and a ``pad`` in the
 patchify path still guards ``x.size(0) == 1`` under backed size-oblivious semantics: 6 graphs.
+These graphs go through ``torch.compile`` (the eager backend); a saved graph (Inductor, compiled
+whole) keeps ``linspace``'s length symbolic (trace_ops.py; test_patcher_families.py).
 """
 
 from __future__ import annotations
