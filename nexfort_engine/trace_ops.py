@@ -148,8 +148,14 @@ def linspace_symbolic(start: Any, end: Any, steps: Any, *, dtype: torch.dtype, d
     return out.to(dtype)
 
 
+#: what :func:`standing_in` swaps: name -> (namespace, attribute, stand-in, real function)
+_SWAPS: dict[str, tuple[Any, str, Any, Any]] = {
+    "linear": (F, "linear", linear, _LINEAR),
+    "linspace": (torch, "linspace", linspace, _LINSPACE),
+}
 _lock = threading.Lock()
-_depth = 0
+#: per swap, how many :func:`standing_in` windows hold it (the real function is back at 0)
+_depth = dict.fromkeys(_SWAPS, 0)
 
 
 def _cache_originals() -> None:
@@ -162,44 +168,35 @@ def _cache_originals() -> None:
     get_overridable_functions()
 
 
-_linspace_depth = 0
-
-
 @contextlib.contextmanager
 def standing_in(enabled: bool = True, *, symbolic_linspace: bool = False) -> Iterator[None]:
     """``F.linear`` is :func:`linear` inside where ``enabled``, ``torch.linspace`` is
     :func:`linspace` where ``symbolic_linspace`` (re-entrant; restored on exit, also on an error)."""
-    global _depth, _linspace_depth
-    if not enabled and not symbolic_linspace:
+    names = [name for name, on in (("linear", enabled), ("linspace", symbolic_linspace)) if on]
+    if not names:
         yield
         return
     _cache_originals()
     with _lock:
-        if enabled:
-            _depth += 1
-            if _depth == 1:
-                F.linear = linear
-        if symbolic_linspace:
-            _linspace_depth += 1
-            if _linspace_depth == 1:
-                torch.linspace = linspace
+        for name in names:
+            namespace, attr, stand_in, _real = _SWAPS[name]
+            _depth[name] += 1
+            if _depth[name] == 1:
+                setattr(namespace, attr, stand_in)
     try:
         yield
     finally:
         with _lock:
-            if enabled:
-                _depth -= 1
-                if _depth == 0:
-                    F.linear = _LINEAR
-            if symbolic_linspace:
-                _linspace_depth -= 1
-                if _linspace_depth == 0:
-                    torch.linspace = _LINSPACE
+            for name in names:
+                namespace, attr, _stand_in, real = _SWAPS[name]
+                _depth[name] -= 1
+                if _depth[name] == 0:
+                    setattr(namespace, attr, real)
 
 
 def originals() -> dict[int, Any]:
     """A stand-in's id -> the function it stands for: a guard on a stand-in is a guard on that."""
-    return {id(linear): _LINEAR, id(linspace): _LINSPACE}
+    return {id(stand_in): real for _namespace, _attr, stand_in, real in _SWAPS.values()}
 
 
 def restore(gm: torch.fx.GraphModule) -> int:

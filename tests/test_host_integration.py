@@ -13,6 +13,7 @@ from pathlib import Path
 
 import comfy_server
 import demo
+import procs
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -170,15 +171,6 @@ def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
     assert demo._compiled_call_seconds(after, after) is None  # no calls in between: nothing to report
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for its parent to reap it has exited)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
 def test_background_compile_through_the_server(comfy, nexfort_cache_dir):
     """``"background": true`` in a real ComfyUI: the first prompt samples eager while a child
     process compiles (it imports ComfyUI and the engine from the server's ``sys.path`` and parses
@@ -211,7 +203,7 @@ def test_background_compile_through_the_server(comfy, nexfort_cache_dir):
         assert time.monotonic() < deadline, (job / "child.log").read_text()[-3000:]
         time.sleep(0.5)
     reported = time.monotonic()
-    while _process_alive(pid):  # and exits at once (background.exit_now), its compile pool with it
+    while procs.alive(pid):  # and exits at once (background.exit_now), its compile pool with it
         assert time.monotonic() < reported + 60, f"the child {pid} is still running after its report"
         time.sleep(0.1)
     assert time.monotonic() - reported < 5, time.monotonic() - reported

@@ -16,6 +16,7 @@ import time
 import types
 from pathlib import Path
 
+import procs
 import pytest
 import torch
 
@@ -275,17 +276,9 @@ def test_child_exits_at_once_with_its_children(tmp_path):
     pids = [int(p) for p in listed.read_text().split()]
     assert len(pids) == 4, pids
     deadline = time.monotonic() + 10
-    while alive := [p for p in pids if _alive(p)]:
+    while alive := [p for p in pids if procs.alive(p)]:
         assert time.monotonic() < deadline, f"still running: {alive}"
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
 
 
 # -- the hand-over, with real Inductor compiles in the child --------------------------------------
