@@ -856,6 +856,8 @@ class CompiledModule(torch.nn.Module):
             with contextlib.suppress(OSError):
                 path.unlink()
             text = str(e).strip()
+            # the whole message (Dynamo's names the user code that it could not trace) for debugging
+            log.debug("nexfort: %s: the saved graph's trace failed:\n%s", label, text)
             self._aot_unsupported(f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
             return None
         artifact.path = path
@@ -899,7 +901,7 @@ class CompiledModule(torch.nn.Module):
         # F.linear as an op that only allocates while Dynamo traces (the backend restores it) and
         # torch.linspace with a symbolic length (trace_ops.py). Only here: a saved graph's guards
         # are ours to fingerprint (torch.compile's live guard on a stand-in would fail once the
-        # real function is back)
+        # real function is back; _call_traced keeps linspace's in place for every call for that)
         call = (self._orig_mod, *trace_args)
         watching = self._nx_stream.watching() if self._nx_stream is not None else contextlib.nullcontext()
         with trace_ops.standing_in(stand_ins_enabled() and trace_ops.plain(self._orig_mod, call, trace_kwargs),
@@ -1117,10 +1119,17 @@ class CompiledModule(torch.nn.Module):
 
     def _call_traced(self, args: tuple, kwargs: dict) -> Any:
         assert self._nx_compiled is not None
-        if self._nx_config.dynamic:  # marks are read only when Dynamo (re)compiles
+        dynamic = self._nx_config.dynamic
+        if dynamic:  # marks are read only when Dynamo (re)compiles
             shapes.mark_dynamic_dims(args, kwargs)
             args = shapes.fold_spatial(args, self._nx_fold)
-        return self._nx_compiled(*args, **kwargs)
+        # torch.linspace with a symbolic length here too (trace_ops.linspace), in place for every
+        # call, not only a trace: Dynamo's live guards name the stand-in. Without it a model that
+        # builds position ids with linspace (Flux, Wan, Qwen-Image compiled whole) specialised on
+        # each resolution, and torch's AOTAutograd cache then served a width x height call the
+        # graph compiled for height x width (BENCHMARKS.md, thirty-fifth session, item 3)
+        with trace_ops.standing_in(False, symbolic_linspace=dynamic):
+            return self._nx_compiled(*args, **kwargs)
 
     def _after_load(self, seconds: float) -> None:
         """The first call ran a graph loaded from the cache: nothing was traced or compiled."""

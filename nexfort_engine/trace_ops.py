@@ -143,8 +143,11 @@ def linspace_symbolic(start: Any, end: Any, steps: Any, *, dtype: torch.dtype, d
     from ``end``, in float32 for 16-bit dtypes. Its reference twin is ``torch.linspace``."""
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     idx = torch.arange(steps, device=device, dtype=torch.int64).to(compute)
-    step = (end - start) / torch.sym_max(steps - 1, 1)
-    out = torch.where(idx < steps // 2, start + step * idx, end - step * (steps - 1 - idx))
+    # the builtin, not torch.sym_max: Dynamo makes it sym_max for a SymInt and folds it for an
+    # int, where torch 2.11 refuses torch.sym_max ('torch.* op returned non-Tensor')
+    step = (end - start) / max(steps - 1, 1)
+    # a 1-long span is its start, as ATen's (which special-cases it)
+    out = torch.where(idx < max(steps // 2, 1), start + step * idx, end - step * (steps - 1 - idx))
     return out.to(dtype)
 
 

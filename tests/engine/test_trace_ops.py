@@ -224,6 +224,37 @@ def test_linspace_keeps_its_length_symbolic(dtype):
         assert torch.linspace not in targets and trace_ops._LINSPACE not in targets
 
 
+def test_linspace_with_a_constant_length_stays_in_one_graph():
+    """A plain-int length, as in Flux's rotary frequencies (``steps=dim // 2``, float64), next to a
+    symbolic one: one graph with no break (fullgraph), and a 1-long span is its start. On torch 2.11
+    ``torch.sym_max`` on two ints broke the trace ("torch.* op returned non-Tensor"), and Flux, Wan
+    and Qwen-Image compiled whole lost their saved graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(x):
+        n = x.shape[0]
+        scale = torch.linspace(0, (16 - 2) / 16, steps=16 // 2, dtype=torch.float64)
+        one = torch.linspace(2.5, 7.0, steps=1)
+        return torch.linspace(0, n - 1, steps=n)[:, None] + x, scale, one
+
+    torch._dynamo.reset()
+    with trace_ops.standing_in(False, symbolic_linspace=True):
+        compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
+        for n in (4, 6, 9):
+            out = compiled(torch.zeros(n, 3))
+            refs = (trace_ops._LINSPACE(0, n - 1, steps=n)[:, None].expand(n, 3),
+                    trace_ops._LINSPACE(0, (16 - 2) / 16, steps=8, dtype=torch.float64),
+                    trace_ops._LINSPACE(2.5, 7.0, steps=1))
+            for got, ref in zip(out, refs, strict=True):
+                torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+
+
 def test_linspace_stand_in_is_the_real_op_elsewhere():
     """Scoped and restored; outside a trace, and inside one where the symbolic form does not apply
     (a tensor end, an integer dtype), it is the real op with every argument it was given."""

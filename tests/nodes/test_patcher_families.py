@@ -59,6 +59,26 @@ def test_linspace_position_ids_compile_once_for_every_resolution(patcher, comfy_
     assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]
 
 
+@pytest.mark.inductor
+def test_linspace_through_torch_compile_gets_the_right_graph_for_each_resolution(
+        patcher, comfy_inproc, fresh_stats, monkeypatch):
+    """The same model compiled whole through ``torch.compile`` (no saved graph: ``NEXFORT_PRECOMPILE=0``,
+    as fp8 graphs are): one graph for 64x64, 64x96 and 96x64, equal to eager. Before, linspace
+    specialised each resolution, and torch's AOTAutograd cache served the 96x64 call the 64x96
+    graph (its height's and width's position ids swapped: 3 % off)."""
+    monkeypatch.setenv("NEXFORT_PRECOMPILE", "0")
+    mp = tm.FAMILIES["qwen_image"](seed=21)
+    cfg = nexfort_engine.parse_options({"mode": "O2", "regional": False})
+    compiled = patcher.compile_model_patcher(mp, cfg, node_id="ls-tc")
+    for i, (h, w) in enumerate(tm.RESOLUTIONS["qwen_image"]):
+        ref = tm.sample(mp, h, w, 1, 2, 4.0, 12, seed=i)
+        out = tm.sample(compiled, h, w, 1, 2, 4.0, 12, seed=i)
+        assert tm.rel_err(out, ref) <= 1e-4, (h, w, tm.rel_err(out, ref))
+    rec = next(r for r in fresh_stats()["models"].values() if "ls-tc" in r["node_ids"])
+    assert rec["precompiled"] == "off" and rec["fallbacks"] == 0, rec
+    assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]
+
+
 @pytest.mark.parametrize("family", ["pixart", "flux"])
 def test_regional_dit_through_the_glue_with_lora_like_patches(patcher, comfy_inproc, fresh_stats, family):
     """Deeper tiny DiTs compile regionally (the auto default) through the node glue; a weight patch
