@@ -1,8 +1,14 @@
 """torch's AOTAutograd cache and linspace-specialised graphs: plain torch.compile(dynamic=True) on the
 tiny Qwen-Image's process_img at 8x8, 8x12, 12x8 (max abs error of the position ids vs eager)."""
-import json, os, sys, time, torch
+import json
+import os
+import sys
+
+import torch
+
 sys.path[:0] = ["tests", "."]
-import tiny_models as tm
+import tiny_models as tm  # noqa: E402
+
 tm.boot()
 dev = sys.argv[1]
 mp = tm.tiny_qwen_image(seed=21)

@@ -1,8 +1,14 @@
 """Seconds from a background child's report to its exit, on the GPU: the old exit (sys.exit) vs exit_now."""
-import time, sys, tempfile, json
+import json
+import sys
+import tempfile
+import time
+
 import torch
-from nexfort_engine import compile as nxc
+
 from nexfort_engine import background
+from nexfort_engine import compile as nxc
+
 OLD = "import sys; from nexfort_engine.background import child_main; sys.exit(child_main(sys.argv[1]))"
 which = sys.argv[1]
 if which == "old":
@@ -23,6 +29,5 @@ with torch.inference_mode():
     while job.proc.poll() is None:
         time.sleep(0.01)
     t_exit = time.monotonic()
-    left = [l for l in open("/proc/loadavg")]
     print(json.dumps({"which": which, "report_s": round(t_res - t_start, 2), "exit_after_report_s": round(t_exit - t_res, 3),
                       "result": json.loads(res.read_text())}))

@@ -1,15 +1,25 @@
 """Tiny Flux on the GPU, compiled whole vs regional, with passes switched off one at a time: rel-L2 vs bf16 eager."""
-import os, sys, json, tempfile, copy, torch
+import copy
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
 DEV = os.environ.get("DEV", "cuda")
 sys.path[:0] = ["tests", "."]
-import tiny_models as tm
+import tiny_models as tm  # noqa: E402
+
 tm.boot()
-import nexfort_engine
+import nexfort_engine  # noqa: E402
+
 mp = tm.tiny_flux(seed=3, depth=2, depth_single=2)
 dm = mp.model.diffusion_model.to(DEV, torch.bfloat16).eval()
 def inputs(h, w, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, device=DEV, dtype=torch.bfloat16)
+    def r(*s):
+        return torch.randn(*s, generator=g, device=DEV, dtype=torch.bfloat16)
     return (r(1, 16, h, w), torch.tensor([0.7], device=DEV, dtype=torch.bfloat16), r(1, 20, 48)), {"y": r(1, 32), "guidance": torch.tensor([3.5], device=DEV, dtype=torch.bfloat16)}
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()

@@ -1,5 +1,10 @@
-import torch, traceback, json
+import json
+
+import torch
+
 from nexfort_engine import trace_ops
+
+
 def variant(kind):
     def lin(start, end, steps, dtype):
         compute = torch.float32
