@@ -55,6 +55,7 @@ own 16-bit arithmetic (``tests/engine/test_trace_ops.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Iterator
 
@@ -161,10 +162,12 @@ _lock = threading.Lock()
 _depth = dict.fromkeys(_SWAPS, 0)
 
 
+@functools.cache
 def _cache_originals() -> None:
     """Let torch's caches that list ``torch.nn.functional``'s members see the real ``F.linear``
     before it is swapped: built inside the window (the process's first trace), they would hold
-    the stand-in for good."""
+    the stand-in for good. Once per process: torch never clears them, and every compiled call on
+    the ``torch.compile`` path enters :func:`standing_in`."""
     torch.overrides.get_overridable_functions()
     from torch._dynamo.variables.torch import get_overridable_functions
 
