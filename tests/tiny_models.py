@@ -75,8 +75,15 @@ def init_weights(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
                 p.data.normal_(0.0, 0.02, generator=gen)
         else:
             p.data.normal_(0.0, (1.0 / p[0].numel()) ** 0.5, generator=gen)
-    for _name, b in module.named_buffers():
-        if b.is_floating_point() and not torch.isfinite(b).all():
+    for name, b in module.named_buffers():
+        if not b.is_floating_point():
+            continue
+        if name.startswith("diffusion_model."):
+            # learned tables kept as buffers: SD3's pos_embed is allocated with torch.empty (the
+            # checkpoint fills it), so its memory's leftovers, finite or not, would reach the
+            # output (a fresh process's NaN); PixArt's y_embedding is drawn from the global RNG
+            b.normal_(0.0, b.shape[-1] ** -0.5, generator=gen)
+        elif not torch.isfinite(b).all():
             b.zero_()
     return module
 
