@@ -199,7 +199,8 @@ def pick_dtypes(spec: ModelSpec, device: torch.device, override: str | None = No
     config_cls = getattr(comfy.supported_models, spec.config_class)
     supported = list(config_cls.supported_inference_dtypes)
     if override:
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[override]
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                 "fp8_e4m3fn": torch.float8_e4m3fn}[override]
     else:
         dtype = mm.unet_dtype(device=device, model_params=int(spec.params), supported_dtypes=supported,
                               weight_dtype=spec.weight_dtype)
@@ -230,15 +231,19 @@ def init_weights(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         if gen is None:
             gen = torch.Generator(device=p.device).manual_seed(seed)
             gen_by_device[dev] = gen
+        # weights stored in fp8 (--dtype fp8_e4m3fn) are drawn in bf16 and cast
+        t = p if p.dtype.itemsize > 1 else torch.empty(p.shape, device=p.device, dtype=torch.bfloat16)
         if p.dim() <= 1:
             leaf = name.rsplit(".", 1)[-1]
             if "norm" in name and leaf in ("weight", "scale"):
-                p.fill_(1.0)
+                t.fill_(1.0)
             else:
-                p.normal_(0.0, 0.02, generator=gen)
+                t.normal_(0.0, 0.02, generator=gen)
         else:
             fan_in = p[0].numel()
-            p.normal_(0.0, 1.0 / math.sqrt(max(fan_in, 1)), generator=gen)
+            t.normal_(0.0, 1.0 / math.sqrt(max(fan_in, 1)), generator=gen)
+        if t is not p:
+            p.copy_(t)
     for _name, b in module.named_buffers():
         if b.is_floating_point() and not torch.isfinite(b).all():
             b.zero_()

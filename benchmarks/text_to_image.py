@@ -64,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduler", default=None, help="default: the model's usual scheduler")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3, help="timed sampling runs after warm-up (median reported)")
-    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None, help="default: as ComfyUI picks")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32", "fp8_e4m3fn"], default=None,
+                   help="weight dtype (default: as ComfyUI picks); fp8_e4m3fn stores the weights in fp8 and "
+                        "computes in ComfyUI's manual-cast dtype, as the UNETLoader's weight_dtype option does")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny twins of the architectures (CPU tests)")
     p.add_argument("--run_multiple_resolutions", "--run-multiple-resolutions", dest="run_multiple_resolutions",
@@ -84,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the form nexfort::quant_rows runs on the GPU (default: the engine's; A/B comparisons)")
     p.add_argument("--no-prewarm", action="store_true",
                    help="nexfort: no prewarm of the compile stack's modules (nexfort_engine.prewarm; A/B comparisons)")
+    p.add_argument("--no-fp8-stored", action="store_true",
+                   help="fp8 graphs: weights stored in e4m3 are cast up and quantized again at every call, as "
+                        "before passes/fp8_stored.py (A/B comparisons)")
     p.add_argument("--no-ln-mod-quant", action="store_true",
                    help="fp8 graphs: leave the LayerNorm + modulation inputs to Inductor (A/B comparisons)")
     p.add_argument("--rope-config", default=None, metavar="BLOCK_RxWARPS",
@@ -445,6 +450,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from nexfort_engine.passes import fuse_quant
 
         fuse_quant.take_ln_mod = False
+    if args.no_fp8_stored:
+        from nexfort_engine.passes import fp8_stored
+
+        fp8_stored.enabled = False
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny on CPU)")
@@ -485,6 +494,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         result["compiler_config_resolved"] = parse_options(args.compiler_config).to_dict()
         result["quant_rows_form"] = rowwise_quant.gpu_form
         result["ln_mod_quant"] = not args.no_ln_mod_quant
+        result["fp8_stored"] = not args.no_fp8_stored
         result["rope_config"] = list(rope.DEFAULT_CONFIG)
 
     if args.compiler == "nexfort":

@@ -216,6 +216,8 @@ class CompiledModule(torch.nn.Module):
         self._nx_fused_ropes = 0
         #: attentions in fp8 (passes/fp8_attention.py)
         self._nx_fp8_attentions = 0
+        #: fp8 GEMMs reading weights the model stores in e4m3 (passes/fp8_stored.py)
+        self._nx_fp8_stored = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         #: set up, but the first compiled call (entry verification, compile or load) not made yet:
@@ -336,6 +338,12 @@ class CompiledModule(torch.nn.Module):
             if n := rewrite_attentions(gm):
                 self._nx_fp8_attentions += n
                 counters.set_info(self._nx_label, attention_fp8=self._nx_fp8_attentions)
+        if self._nx_settings is not None and self._nx_settings.fp8:
+            from .passes.fp8_stored import rewrite_stored_weights
+
+            if n := rewrite_stored_weights(gm):  # last: the passes above match fp8_mm_cached
+                self._nx_fp8_stored += n
+                counters.set_info(self._nx_label, fp8_stored_weights=self._nx_fp8_stored)
 
     # -- a graph cut into parts compiled by several processes (split.py)
     def _compile_split(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -399,7 +407,7 @@ class CompiledModule(torch.nn.Module):
                         label, why)
             self._replace_workers(taken)
             (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants, self._nx_fused_ropes,
-             self._nx_fp8_attentions) = self._nx_counts_before
+             self._nx_fp8_attentions, self._nx_fp8_stored) = self._nx_counts_before
             return None
         counters.set_info(label, compile_parts_streamed=streamer.report())
         if cut is None:
@@ -820,7 +828,7 @@ class CompiledModule(torch.nn.Module):
                 self._nx_stream = stream.Streamer(len(self._nx_part_jobs), params, self._stream_send,
                                                   self._graph_passes)
                 self._nx_counts_before = (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants,
-                                          self._nx_fused_ropes, self._nx_fp8_attentions)
+                                          self._nx_fused_ropes, self._nx_fp8_attentions, self._nx_fp8_stored)
             t1 = time.perf_counter()
             self._nx_defer_parts, self._nx_pending = True, None
             self._nx_trace_t0 = t1

@@ -60,6 +60,8 @@ class _Record:
     rope_fused: int = 0
     #: attentions run in fp8 through cuDNN (passes/fp8_attention.py)
     attention_fp8: int = 0
+    #: fp8 GEMMs reading the weights a model stores in e4m3, no copy or cast (passes/fp8_stored.py)
+    fp8_stored_weights: int = 0
     #: conv weights converted to channels-last outside the graph so far (weight_layout.py)
     channels_last_weights: int = 0
     #: ahead-of-time graphs (precompile.py): "on", "off" or "off: <why>"; graphs traced or loaded
@@ -128,6 +130,7 @@ class _Record:
             fp8_quant_fused=self.fp8_quant_fused,
             rope_fused=self.rope_fused,
             attention_fp8=self.attention_fp8,
+            fp8_stored_weights=self.fp8_stored_weights,
             channels_last_weights=self.channels_last_weights,
             precompiled=self.precompiled,
             precompiled_graphs=self.precompiled_graphs,

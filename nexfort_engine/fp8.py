@@ -42,6 +42,11 @@ Why it is safe:
   3-4% relative-L2 on random data), with no calibration to go stale.
 * Inference only: a call that needs gradients passes through unchanged (``_scaled_mm`` has no
   backward). The eager fallback runs outside the mode and is the untouched model.
+
+Weights the model *stores* in e4m3 (ComfyUI's ``weight_dtype: fp8_e4m3fn``, fp8 checkpoints) reach
+``F.linear`` cast up to bf16 at every call, a new tensor each time that the cache cannot keep:
+``passes/fp8_stored.py`` rewrites those ``fp8_mm_cached`` calls to :func:`fp8_mm_stored`, which runs
+``_scaled_mm`` on the stored tensor itself (twin: :func:`fp8_mm_stored_reference`).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_cached",
     "fp8_linear_reference",
+    "fp8_mm_stored",
+    "fp8_mm_stored_reference",
     "fp8_supported",
     "model_width",
     "pays_off",
@@ -500,6 +507,40 @@ def fp8_mm_cached(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
 @fp8_mm_cached.register_fake
 def _(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+def _stored_scales(weight: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
+    """Per-output-channel fp32 scales [N, 1] for a weight stored in e4m3 with one (or no) scale."""
+    n = weight.shape[0]
+    if w_scale is None:
+        return torch.ones((n, 1), device=weight.device, dtype=torch.float32)
+    return w_scale.to(device=weight.device, dtype=torch.float32).reshape(1, 1).expand(n, 1).contiguous()
+
+
+@torch.library.custom_op("nexfort::fp8_mm_stored", mutates_args=())
+def fp8_mm_stored(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """``xq [M, K]`` (e4m3, scales ``x_scale [M, 1]``) times a weight the model *stores* in e4m3
+    (``weight [N, K]``, times ``w_scale``, a one-element tensor, when given): bf16 ``[M, N]``, no
+    copy of the weight and no cast of it (passes/fp8_stored.py puts this op where the graph cast a
+    stored e4m3 weight up to bf16/fp16 for :func:`fp8_mm_cached`)."""
+    return _scaled_mm(xq, weight, x_scale, _stored_scales(weight, w_scale), bias)
+
+
+@fp8_mm_stored.register_fake
+def _(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor | None,
+      bias: torch.Tensor | None) -> torch.Tensor:
+    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+def fp8_mm_stored_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                            w_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """Torch twin of :func:`fp8_mm_stored`: the same operands dequantized, an fp32 matmul, the
+    result rounded to bf16 as ``_scaled_mm``'s output is."""
+    out = (xq.float() * x_scale) @ (weight.float() * _stored_scales(weight, w_scale)).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(torch.bfloat16)
 
 
 def fp8_linear_cached(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -67,14 +67,18 @@ def init_weights(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Random finite weights, scaled so activations stay O(1) through a few blocks."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in module.named_parameters():
+        # weights stored in fp8 (ComfyUI's weight_dtype fp8_e4m3fn) are drawn in float32 and cast
+        t = p.data if p.dtype.itemsize > 1 else torch.empty(p.shape)
         if p.dim() == 0:
-            p.data.fill_(1.0)
+            t.fill_(1.0)
         elif p.dim() == 1:
-            p.data.fill_(1.0 if ("norm" in name or name.endswith("scale")) else 0.0)
+            t.fill_(1.0 if ("norm" in name or name.endswith("scale")) else 0.0)
             if "bias" in name:
-                p.data.normal_(0.0, 0.02, generator=gen)
+                t.normal_(0.0, 0.02, generator=gen)
         else:
-            p.data.normal_(0.0, (1.0 / p[0].numel()) ** 0.5, generator=gen)
+            t.normal_(0.0, (1.0 / p[0].numel()) ** 0.5, generator=gen)
+        if t is not p.data:
+            p.data.copy_(t)
     for name, b in module.named_buffers():
         if not b.is_floating_point():
             continue
@@ -148,8 +152,13 @@ def tiny_pixart(seed: int = 0, depth: int = 2) -> Any:
     return _patcher(model, SPECS["pixart"])
 
 
-def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1) -> Any:
-    """Flux DiT: ``depth`` (1) double + ``depth_single`` (1) single blocks, hidden 64, 2 heads, patch 2."""
+def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1, weight_dtype: torch.dtype | None = None,
+              scaled_fp8: bool = False) -> Any:
+    """Flux DiT: ``depth`` (1) double + ``depth_single`` (1) single blocks, hidden 64, 2 heads, patch 2.
+    ``weight_dtype=torch.float8_e4m3fn`` stores the weights in fp8 and computes in bf16 through
+    ComfyUI's ``manual_cast`` ops, as its UNETLoader's ``weight_dtype: fp8_e4m3fn`` does;
+    ``scaled_fp8`` gives the linears ComfyUI's ``scaled_fp8`` ops (a ``scale_weight`` each, 1 until
+    set), as an fp8 checkpoint with scales loads."""
     boot()
     import comfy.supported_models
 
@@ -159,7 +168,12 @@ def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1) -> Any:
         "depth_single_blocks": depth_single, "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 2,
         "qkv_bias": True, "guidance_embed": True,
     }
-    model = init_weights(comfy.supported_models.Flux(unet_config).get_model({}), seed)
+    model_config = comfy.supported_models.Flux(unet_config)
+    if weight_dtype is not None:
+        model_config.set_inference_dtype(weight_dtype, torch.bfloat16)
+    if scaled_fp8:
+        model_config.scaled_fp8 = torch.float8_e4m3fn
+    model = init_weights(model_config.get_model({}), seed)
     return _patcher(model, SPECS["flux"])
 
 
