@@ -12,6 +12,10 @@
 * Newer ComfyUI's dynamic VRAM (its layers page weights in through ctypes calls Dynamo cannot
   trace): a model is made a regular ModelPatcher first (``clone(disable_dynamic=True)``, as its own
   TorchCompileModel does); a model that cannot be, and a VAE, run uncompiled with a warning.
+* ComfyUI 0.3.75's ``scaled_fp8`` linears (fp8 checkpoints with scales) scale the weight or the
+  input, whichever is smaller: a size test Dynamo guards on, so resolutions crossing it compiled
+  again. While traced, their class runs one form (:func:`one_branch_scaled_fp8`); eager calls are
+  unchanged.
 * VAEs: :func:`compile_vae` returns a shallow copy of the VAE whose ``first_stage_model`` is a
   proxy with compiled ``decode``/``encode`` (used by the plain and the tiled paths alike).
 """
@@ -94,6 +98,60 @@ def _compiled_for(module: torch.nn.Module, config: CompileConfig, label: str, me
     return cm
 
 
+def _one_branch_forward(original: Any) -> Any:
+    """ComfyUI 0.3.75's ``scaled_fp8`` Linear forward with one form for every input size while
+    Dynamo traces it; eager calls run ``original`` unchanged.
+
+    The original scales the smaller of weight and input (``if weight.numel() < input.numel()``).
+    Under dynamic shape that comparison of a static and a symbolic size is a guard, so each
+    resolution or prompt length that crosses it compiled the model again (the tiny Flux: 3 graphs
+    over 4 resolutions). Traced, the scale always multiplies the weight: Inductor fuses that
+    product with the weight's cast (a cost independent of the input), and O3's fp8 path then reads
+    the stored e4m3 weight and its scale directly (``nexfort_engine/passes/fp8_stored.py``)."""
+    import comfy.ops
+
+    def forward_comfy_cast_weights(self: Any, input: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return original(self, input)
+        weight, bias, offload_stream = comfy.ops.cast_bias_weight(self, input, offloadable=True)
+        x = torch.nn.functional.linear(input, weight * self.scale_weight.to(device=weight.device, dtype=weight.dtype),
+                                       bias)
+        comfy.ops.uncast_bias_weight(self, weight, bias, offload_stream)
+        return x
+
+    forward_comfy_cast_weights._nexfort_one_branch = True  # type: ignore[attr-defined]
+    forward_comfy_cast_weights.__wrapped__ = original  # type: ignore[attr-defined]
+    return forward_comfy_cast_weights
+
+
+def _is_scaled_fp8_forward(fn: Any) -> bool:
+    """Whether ``fn`` is ComfyUI's ``scaled_fp8_ops`` Linear forward (0.3.75) with its shape test and
+    without ComfyUI's own fp8 matmul (``fp8_matrix_mult``, left as it is)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or getattr(fn, "_nexfort_one_branch", False):
+        return False
+    if not {"numel", "scale_weight", "cast_bias_weight"} <= set(code.co_names):
+        return False
+    cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=True))
+    flag = cells.get("fp8_matrix_mult")
+    try:
+        return flag is not None and flag.cell_contents is False
+    except ValueError:  # an empty cell
+        return False
+
+
+def one_branch_scaled_fp8(module: torch.nn.Module) -> int:
+    """Give the ``scaled_fp8`` Linear classes in ``module`` :func:`_one_branch_forward` (once per
+    class); returns how many classes were changed."""
+    n = 0
+    for cls in {type(m) for m in module.modules()}:
+        fn = cls.__dict__.get("forward_comfy_cast_weights")
+        if fn is not None and _is_scaled_fp8_forward(fn):
+            cls.forward_comfy_cast_weights = _one_branch_forward(fn)
+            n += 1
+    return n
+
+
 def _progress(node_id: str | None, text: str) -> None:
     try:
         from server import PromptServer
@@ -150,6 +208,10 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
         _not_compiled(type(model.get_model_object("diffusion_model")).__name__,
                       f"cannot be made a regular model: {why}", node_id)
         return m
+
+    if one_branch_scaled_fp8(m.get_model_object("diffusion_model")):
+        log.info("nexfort: scaled fp8 linears traced with one form for every input size (no recompile "
+                 "when a resolution crosses ComfyUI's weight-or-input test)")
 
     def nexfort_apply_model(executor: Any, *args: Any, **kwargs: Any) -> Any:
         base = executor.class_obj  # comfy.model_base.BaseModel

@@ -211,7 +211,8 @@ def test_comfy_fp8_weights_sampled_through_the_stored_path(patcher, comfy_inproc
                 n += 1
         assert n > 10
     # 128x128: 64 image tokens, more than some linears' output features, so ComfyUI's scaled op
-    # scales the weight there (``weight * scale``) and the input elsewhere: both forms are taken
+    # scales the weight there (``weight * scale``) and the input elsewhere in eager; traced, the
+    # glue has it scale the weight everywhere (nodes/patcher.py), which the pass takes with its scale
     h, w = 128, 128
     ref = tm.sample(mp, h, w, 1, 2, 1.0, 20, seed=1)
     cfg = nexfort_engine.parse_options({"mode": "O3", "fp8": True, "backend": "aot_eager"})

@@ -150,6 +150,34 @@ def test_fp8_sees_in_place_lora_on_inference_tensors(patcher, comfy_inproc, fres
     assert rec["fp8"] and rec["fallbacks"] == 0 and rec["recompiles"] == 0, rec
 
 
+def test_scaled_fp8_linears_compile_once_over_resolutions(patcher, comfy_inproc, fresh_stats):
+    """ComfyUI 0.3.75's ``scaled_fp8`` linears (an fp8 checkpoint with one scale per weight) scale
+    the weight or the input, whichever has fewer elements: under dynamic shape that test of the
+    token count is a guard, and resolutions crossing it compiled again (3 graphs over these four).
+    The glue has the traced calls scale the weight always: one graph, equal to eager (scales of 0.5:
+    exact in bf16 either way), and eager calls keep ComfyUI's own forward."""
+    import torch
+
+    mp = tm.tiny_flux(seed=15, weight_dtype=torch.float8_e4m3fn, scaled_fp8=True)
+    linears = [m for m in mp.model.diffusion_model.modules() if getattr(m, "scale_weight", None) is not None]
+    assert len(linears) > 10
+    for m in linears:
+        m.scale_weight.fill_(0.5)
+    cfg = nexfort_engine.parse_options(EAGER)
+    compiled = patcher.compile_model_patcher(mp, cfg, node_id="scaled-fp8")
+    forward = type(linears[0]).forward_comfy_cast_weights
+    assert forward._nexfort_one_branch and patcher._is_scaled_fp8_forward(forward.__wrapped__)
+    for i, (h, w) in enumerate([(64, 64), (128, 128), (256, 256), (64, 256)]):
+        ref = tm.sample(mp, h, w, 1, 2, 1.0, 20, seed=i)
+        out = tm.sample(compiled, h, w, 1, 2, 1.0, 20, seed=i)
+        assert tm.rel_err(out, ref) <= TOL, (h, w)
+    rec = next(r for r in fresh_stats()["models"].values() if "scaled-fp8" in r["node_ids"])
+    assert rec["fallbacks"] == 0 and rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]
+    # a second compile of the same model does not wrap the forward twice
+    patcher.compile_model_patcher(mp, cfg, node_id="scaled-fp8-2")
+    assert type(linears[0]).forward_comfy_cast_weights is forward
+
+
 def test_regional_unet_transformer_blocks_through_the_glue(patcher, comfy_inproc, fresh_stats):
     """``regional: true`` on a UNet: its transformer blocks (two widths) compile once per width; the
     glue's block hook drops ComfyUI's per-block position keys, so 14 blocks are 2 graphs and a sweep
