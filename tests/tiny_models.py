@@ -152,6 +152,14 @@ def tiny_pixart(seed: int = 0, depth: int = 2) -> Any:
     return _patcher(model, SPECS["pixart"])
 
 
+_FLUX_TINY_CONFIG: dict[str, Any] = {
+    "image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
+    "context_in_dim": 48, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 1,
+    "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 2,
+    "qkv_bias": True, "guidance_embed": True,
+}
+
+
 def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1, weight_dtype: torch.dtype | None = None,
               scaled_fp8: bool = False) -> Any:
     """Flux DiT: ``depth`` (1) double + ``depth_single`` (1) single blocks, hidden 64, 2 heads, patch 2.
@@ -162,18 +170,42 @@ def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1, weight_dtype
     boot()
     import comfy.supported_models
 
-    unet_config = {
-        "image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
-        "context_in_dim": 48, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": depth,
-        "depth_single_blocks": depth_single, "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 2,
-        "qkv_bias": True, "guidance_embed": True,
-    }
+    unet_config = {**_FLUX_TINY_CONFIG, "depth": depth, "depth_single_blocks": depth_single}
     model_config = comfy.supported_models.Flux(unet_config)
     if weight_dtype is not None:
         model_config.set_inference_dtype(weight_dtype, torch.bfloat16)
     if scaled_fp8:
         model_config.scaled_fp8 = torch.float8_e4m3fn
     model = init_weights(model_config.get_model({}), seed)
+    return _patcher(model, SPECS["flux"])
+
+
+def tiny_flux_quantized(seed: int = 0) -> Any:
+    """The tiny Flux in ComfyUI's mixed-precision checkpoint format: every block linear stored as an
+    e4m3 ``QuantizedTensor`` with one scale (``layer_quant_config``, what newer fp8 checkpoints'
+    ``_quantization_metadata`` gives), the rest in bf16; loaded through the model's state dict as
+    ComfyUI's loader does."""
+    import comfy.supported_models
+
+    sd = tiny_flux(seed).model.diffusion_model.state_dict()
+    quantized: dict[str, Any] = {}
+    layers: dict[str, dict[str, str]] = {}
+    for k, v in sd.items():
+        if "blocks." in k and k.endswith(".weight") and v.dim() == 2:
+            layer = k[: -len(".weight")]
+            layers[layer] = {"format": "float8_e4m3fn"}
+            scale = v.float().abs().amax() / 448
+            quantized[k] = (v.float() / scale).to(torch.float8_e4m3fn)
+            quantized[f"{layer}.weight_scale"] = scale.reshape(())
+        else:
+            quantized[k] = v
+    model_config = comfy.supported_models.Flux(dict(_FLUX_TINY_CONFIG))
+    model_config.layer_quant_config = layers
+    model_config.set_inference_dtype(torch.float32, torch.bfloat16)
+    model = model_config.get_model({})
+    missing, unexpected = model.diffusion_model.load_state_dict(quantized, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"quantized tiny Flux: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return _patcher(model, SPECS["flux"])
 
 

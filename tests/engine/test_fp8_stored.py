@@ -255,3 +255,27 @@ def test_lora_on_fp8_stored_weights_reaches_the_stored_path(patcher, comfy_inpro
     rec = next(r for r in fresh_stats()["models"].values() if "f8-lora" in r["node_ids"])
     assert rec["fp8_stored_weights"] > 0 and rec["fallbacks"] == 0 and rec["recompiles"] == 0, rec
     assert cache.stats["inline"] == 0 and len(cache) == 0
+
+
+@pytest.mark.parametrize("options", [{"mode": "O2"}, {"mode": "O3", "fp8": True}], ids=["O2", "O3-fp8"])
+@torch.no_grad()
+def test_mixed_precision_checkpoint_compiles_equal_to_eager(patcher, comfy_inproc, fresh_stats, cache, options):
+    """ComfyUI's newer fp8 checkpoint format (``QuantizedTensor`` weights, ``mixed_precision_ops``)
+    compiles without a fallback. On CPU ComfyUI dequantizes each weight per call: O2 equals eager;
+    O3's fp8 linears quantize the dequantized weight (the cached path, inline every call) and stay
+    within the activation and weight quantization's error of eager."""
+    from comfy.quant_ops import QuantizedTensor
+
+    mp = tm.tiny_flux_quantized(seed=5)
+    assert isinstance(mp.model.diffusion_model.double_blocks[0].img_attn.qkv.weight, QuantizedTensor)
+    h, w = tm.RESOLUTIONS["flux"][1]
+    ref = tm.sample(mp, h, w, 1, 2, 1.0, 20, seed=1)
+    cfg = nexfort_engine.parse_options({**options, "backend": "aot_eager"})
+    compiled = patcher.compile_model_patcher(mp, cfg, node_id=f"mixed-{options['mode']}")
+    out = tm.sample(compiled, h, w, 1, 2, 1.0, 20, seed=1)
+    rec = next(r for r in fresh_stats()["models"].values() if f"mixed-{options['mode']}" in r["node_ids"])
+    assert rec["state"] == "compiled" and rec["fallbacks"] == 0, rec["fallback_reasons"]
+    if options["mode"] == "O2":
+        assert tm.rel_err(out, ref) <= 1e-4
+    else:
+        assert tm.rel_err(out, ref) < 6e-2 and cache.stats["inline"] > 0
