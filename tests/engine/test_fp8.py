@@ -617,6 +617,20 @@ def test_fast_path_matches_reference_on_gpu(shape, n):
     assert rel_l2(fp8_linear(x, w, b), fp8_linear_reference(x, w, b)) < FAST_TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_supported("cuda"), reason="needs a CUDA GPU with fp8 (sm89+)")
+@pytest.mark.parametrize("scale", [None, 0.37])
+def test_stored_weight_path_matches_twin_on_gpu(scale):
+    """``nexfort::fp8_mm_stored`` (weights the model stores in e4m3, passes/fp8_stored.py) against
+    its torch twin on the GPU's ``_scaled_mm``."""
+    x, w, b = (v.cuda() for v in _inputs((2, 33, 64), 48, torch.bfloat16))
+    xq, sx = quantize_rowwise(x.reshape(-1, 64))
+    w8 = w.to(torch.float8_e4m3fn)
+    s = None if scale is None else torch.tensor(scale, device="cuda")
+    out = fp8_mod.fp8_mm_stored(xq, sx, w8, s, b)
+    assert rel_l2(out, fp8_mod.fp8_mm_stored_reference(xq, sx, w8, s, b)) < FAST_TOL
+
+
 @pytest.mark.parametrize(("family", "width", "pays"), [
     ("sdxl", 1280, False), ("pixart", 1152, False), ("wan", 1536, False), ("flux", 3072, True),
 ])
