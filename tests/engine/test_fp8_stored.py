@@ -144,15 +144,19 @@ def _twin(m: StoredMLP, x: torch.Tensor) -> torch.Tensor:
     return _twin_layer(m.c, F.gelu(_twin_layer(m.b, F.gelu(_twin_layer(m.a, x)))))
 
 
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
 @torch.no_grad()
 def test_compiled_gemms_read_the_stored_weights(fresh_stats, graphs, cache):
     m = StoredMLP()
     cm = nexfort_engine.compile(m, {"fp8": True, "backend": "aot_eager", "mode": "O1", "dynamic": True},
                                 label="fp8-stored")
-    x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
+    x = _randn(2, 7, 32, seed=10).to(torch.bfloat16)
     out = cm(x)
     assert rel_l2(out, _twin(m, x)) < 2e-2
-    assert rel_l2(out, m(x)) < 6e-2
+    assert rel_l2(out, m(x)) < 8e-2  # the activations rounded to e4m3 (0.047 here; up to 0.055 over 30 inputs)
     targets = _targets(graphs)
     # a and b read their stored e4m3 weights; c's weight is patched on the way: the cached path
     assert targets.count(STORED) == 2 and targets.count(CACHED) == 1
@@ -167,10 +171,10 @@ def test_compiled_gemms_read_the_stored_weights(fresh_stats, graphs, cache):
 
     # another token count: the same graph; an in-place patch of a stored weight (what ComfyUI's
     # LoRA patching does to an fp8 parameter) is read live
-    x2 = torch.randn(2, 11, 32, dtype=torch.bfloat16)
+    x2 = _randn(2, 11, 32, seed=11).to(torch.bfloat16)
     assert rel_l2(cm(x2), _twin(m, x2)) < 2e-2
     before = cm(x)
-    m.a.weight.copy_((m.a.weight.float() + torch.randn(64, 32) * 0.2).to(E4M3))
+    m.a.weight.copy_((m.a.weight.float() + _randn(64, 32, seed=12) * 0.2).to(E4M3))
     after = cm(x)
     assert rel_l2(after, before) > 0.05 and rel_l2(after, _twin(m, x)) < 2e-2
 
@@ -184,8 +188,10 @@ def test_switched_off_the_casts_stay_on_the_cached_path(fresh_stats, graphs, cac
     monkeypatch.setattr(fp8_stored, "enabled", False)
     m = StoredMLP()
     cm = nexfort_engine.compile(m, {"fp8": True, "backend": "aot_eager", "mode": "O1"}, label="fp8-stored-off")
-    x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
-    assert rel_l2(cm(x), m(x)) < 6e-2
+    x = _randn(2, 7, 32, seed=10).to(torch.bfloat16)
+    # the stored weights rounded a second time (new row scales) on top of the activations' rounding:
+    # 0.060 here, up to 0.068 over 30 inputs (the stored path: 0.047, up to 0.055)
+    assert rel_l2(cm(x), m(x)) < 8e-2
     assert _targets(graphs).count(STORED) == 0 and _targets(graphs).count(CACHED) == 3
     cm(x)
     # every call quantizes the three cast weights again: the cost the pass removes
