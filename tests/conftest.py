@@ -42,6 +42,16 @@ def comfy_host() -> Path:
     return host
 
 
+@pytest.fixture
+def pack_cache_env(tmp_path_factory, monkeypatch) -> Path:
+    """The pack's cache root (``$NEXFORT_CACHE_DIR``) in a session temp dir, never the user's: for
+    tests that compile through the node layer in this process."""
+    root = tmp_path_factory.getbasetemp() / "nexfort_pack_cache"
+    root.mkdir(exist_ok=True)
+    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(root))
+    return root
+
+
 @pytest.fixture(scope="session")
 def comfy_inproc():
     """ComfyUI imported in this process (--cpu, SDPA attention, grad off), for in-process tests."""

@@ -51,7 +51,8 @@ _COMPUTE = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _cast_source(node: object) -> fx.Node | None:
-    """The e4m3 tensor ``node`` casts to bf16/fp16 (same shape and device), else None."""
+    """The e4m3 tensor ``node`` casts to a compute dtype (bf16, fp16, fp32; same shape and device),
+    else None."""
     if not isinstance(node, fx.Node):
         return None
     is_cast = (node.op == "call_method" and node.target in _CAST_METHODS) or (

@@ -60,14 +60,10 @@ def zoo(comfy_inproc):
 
 
 @pytest.fixture
-def patcher(comfy_inproc, tmp_path_factory, monkeypatch):
+def patcher(comfy_inproc, pack_cache_env):
     """The node layer's ``nodes/patcher.py`` (it compiles a ComfyUI ModelPatcher's model), its
-    cache root (``$NEXFORT_CACHE_DIR``) in a session temp dir, never the host's user directory."""
+    cache root in a session temp dir, never the host's user directory."""
     from pack_modules import nodes_module
-
-    root = tmp_path_factory.getbasetemp() / "nexfort_engine_patcher_cache"
-    root.mkdir(exist_ok=True)
-    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(root))
 
     with nodes_module("patcher", pkg="_nexfort_pack_engine") as mod:
         yield mod

@@ -25,7 +25,7 @@ from tiny_models import rel_l2
 
 import nexfort_engine
 from nexfort_engine import compiler as compiler_mod
-from nexfort_engine.fp8 import CACHE, clear_cache, fp8_mm_stored, fp8_mm_stored_reference, quantize_rowwise
+from nexfort_engine.fp8 import fp8_mm_stored, fp8_mm_stored_reference, quantize_rowwise
 from nexfort_engine.passes import fp8_stored
 
 STORED = torch.ops.nexfort.fp8_mm_stored.default
@@ -46,14 +46,6 @@ def _cpu_rowwise_scaled_mm() -> bool:
 pytestmark = pytest.mark.skipif(
     not _cpu_rowwise_scaled_mm(), reason="this torch's CPU _scaled_mm has no rowwise scales (torch >= 2.14 has)"
 )
-
-
-@pytest.fixture
-def cache():
-    clear_cache()
-    CACHE.stats.update(dict.fromkeys(CACHE.stats, 0))
-    yield CACHE
-    clear_cache()
 
 
 @pytest.fixture

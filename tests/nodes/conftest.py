@@ -29,12 +29,9 @@ def patcher(comfy_inproc):
 
 
 @pytest.fixture(autouse=True)
-def nx_cache_env(tmp_path_factory, monkeypatch):
-    """The pack's cache root (``$NEXFORT_CACHE_DIR``) in a session temp dir, never the user's."""
-    root = tmp_path_factory.getbasetemp() / "nexfort_nodes_cache"
-    root.mkdir(exist_ok=True)
-    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(root))
-    return root
+def nx_cache_env(pack_cache_env):
+    """Every node test: the pack's cache root in a session temp dir (``pack_cache_env``)."""
+    return pack_cache_env
 
 
 @pytest.fixture
