@@ -703,8 +703,7 @@ class CompiledModule(torch.nn.Module):
             self._nx_entry is not None
             and not self._nx_regions
             and self._nx_config.backend == "inductor"
-            and not self._nx_settings.fp8  # its torch-function mode is not part of a saved graph
-            and not self._nx_settings.fp8_attention
+            and not self._nx_settings.fp8_attention  # cuDNN's plans live outside the graph
             and precompile_enabled()
             and precompile.available()
             and not (self._aot_dir() / precompile.UNSUPPORTED).exists()
@@ -912,8 +911,10 @@ class CompiledModule(torch.nn.Module):
         # real function is back; _call_traced keeps linspace's in place for every call for that)
         call = (self._orig_mod, *trace_args)
         watching = self._nx_stream.watching() if self._nx_stream is not None else contextlib.nullcontext()
-        with trace_ops.standing_in(stand_ins_enabled() and trace_ops.plain(self._orig_mod, call, trace_kwargs),
-                                   symbolic_linspace=True), watching:
+        # fp8 linears: Fp8LinearMode must see every F.linear call (the stand-in would hide them)
+        fp8 = self._nx_settings is not None and self._nx_settings.fp8
+        linear = stand_ins_enabled() and not fp8 and trace_ops.plain(self._orig_mod, call, trace_kwargs)
+        with trace_ops.standing_in(linear, symbolic_linspace=True), watching:
             return precompile.trace(target, call, trace_kwargs, self._backend, self_name,
                                     originals=trace_ops.originals())
 
@@ -1294,8 +1295,8 @@ class CompiledModule(torch.nn.Module):
         if "freezing" in cfg.flags:
             return "the freezing flag bakes the weights into the graph (the background child has zeros)"
         if not self._nx_aot:
-            return ("only a whole model's saved graph with the Inductor backend (regional and fp8 graphs compile "
-                    "through torch.compile)")
+            return ("only a whole model's saved graph with the Inductor backend (regional graphs and fp8 attention "
+                    "compile through torch.compile)")
         if self._nx_entry.committed(self._nx_env):
             return "the dynamic graph's cache entry is warm"
         if cfg.static_first is None and (example is None or not example.is_cuda):
