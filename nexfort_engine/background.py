@@ -5,7 +5,7 @@ whose cache entry is cold does not compile. It hands a *job* to a child Python p
 the call eager; so does every call until the child is done. The child (:func:`child_main`) rebuilds the module and the first call's inputs, compiles them
 with the same engine code, options and cache root, and commits the cache entry as a foreground
 compile would. The next call of the parent then finds a warm entry and loads it: the precompiled
-graphs, or Inductor's caches under ``torch.compile`` (regional compilation, fp8 attention).
+graphs, or Inductor's caches under ``torch.compile`` (regional compilation).
 
 Why: a whole UNet's cold compile takes minutes (SDXL 170 s on an H200). In the foreground the
 first image waits for all of it. Here it arrives at eager speed, and the compiled speed starts

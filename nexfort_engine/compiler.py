@@ -139,6 +139,15 @@ def _fx_counters() -> tuple[int, int]:
     return int(c["fxgraph_cache_hit"]), int(c["fxgraph_cache_miss"])
 
 
+def register_ops() -> None:
+    """Register every ``nexfort::`` op a saved graph may call. The graph passes import the modules
+    that define them while they rewrite a trace; loading a saved graph runs no pass, so a restarted
+    process would otherwise fail on the first such op (``torch.ops.nexfort`` has no attribute) and
+    fall back to eager. Cheap: no Triton, no CUDA (the kernels load at their first GPU call)."""
+    from . import absmax, fp8, fp8_attention, rope, rowwise_quant, trace_ops  # noqa: F401
+    from .passes import group_norm  # noqa: F401
+
+
 def _cudagraph_skips() -> int:
     from torch._dynamo.utils import counters
 
@@ -703,7 +712,6 @@ class CompiledModule(torch.nn.Module):
             self._nx_entry is not None
             and not self._nx_regions
             and self._nx_config.backend == "inductor"
-            and not self._nx_settings.fp8_attention  # cuDNN's plans live outside the graph
             and precompile_enabled()
             and precompile.available()
             and not (self._aot_dir() / precompile.UNSUPPORTED).exists()
@@ -746,6 +754,7 @@ class CompiledModule(torch.nn.Module):
             path = self._nx_aot_pending.pop(0)
             t0 = time.perf_counter()
             try:
+                register_ops()
                 artifact = precompile.from_bytes(path.read_bytes(), self._aot_target(example).__globals__,
                                                  self._inductor_patches())
             except (precompile.StaleArtifact, OSError) as e:
@@ -1295,8 +1304,8 @@ class CompiledModule(torch.nn.Module):
         if "freezing" in cfg.flags:
             return "the freezing flag bakes the weights into the graph (the background child has zeros)"
         if not self._nx_aot:
-            return ("only a whole model's saved graph with the Inductor backend (regional graphs and fp8 attention "
-                    "compile through torch.compile)")
+            return ("only a whole model's saved graph with the Inductor backend (regional graphs compile through "
+                    "torch.compile)")
         if self._nx_entry.committed(self._nx_env):
             return "the dynamic graph's cache entry is warm"
         if cfg.static_first is None and (example is None or not example.is_cuda):
