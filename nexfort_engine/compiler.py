@@ -992,6 +992,7 @@ class CompiledModule(torch.nn.Module):
     def part_worker(cls, payload: dict[str, Any], root: str) -> CompiledModule:
         """In a compile worker (a child process): a wrapper around no model that compiles graphs
         as the parent's would (its options, resolved settings and cache entry)."""
+        register_ops()  # a shipped part may call them; this process ran no pass that defines them
         store = CacheStore(root)
         cm = cls(torch.nn.Module(), payload["config"], store, label=payload["label"])
         cm._nx_settings = payload["settings"]
