@@ -397,6 +397,25 @@ OPS_CHILD = textwrap.dedent('''
 ''')
 
 
+def test_register_ops_covers_every_op_the_engine_defines():
+    """Every ``nexfort::`` op defined anywhere in the engine is registered by
+    ``compiler.register_ops()`` in a fresh process (a new op module left out of it would make
+    restarts and compile workers fail on graphs that call it)."""
+    import re
+
+    import nexfort_engine
+
+    root = Path(nexfort_engine.__file__).parent
+    defined = sorted({m for f in root.rglob("*.py")
+                      for m in re.findall(r'custom_op\(\s*"nexfort::(\w+)"', f.read_text())})
+    assert {"rms_norm_rope", "sdpa_fp8", "fp8_mm_cached"} <= set(defined), defined
+    probe = ("import json, sys, torch\nimport nexfort_engine\nfrom nexfort_engine import compiler\n"
+             "compiler.register_ops()\nprint(json.dumps([n for n in sys.argv[1:] if not hasattr(torch.ops.nexfort, n)]))")
+    proc = subprocess.run([sys.executable, "-c", probe, *defined], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
 @pytest.mark.inductor
 @pytest.mark.parametrize("mode", ["fused_rope", "fp8_attention"])
 def test_a_restart_registers_the_ops_a_saved_graph_calls(tmp_path, mode):
