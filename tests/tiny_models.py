@@ -409,6 +409,37 @@ def rotations(batch: int, length: int, d: int, seed: int = 0) -> torch.Tensor:
     return torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], -1).reshape(batch, 1, length, d // 2, 2, 2)
 
 
+def apply_rope1(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's ``flux.math.apply_rope1`` (float32 rotation, then ``x``'s dtype)."""
+    x_ = x.to(dtype=freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+    out = freqs[..., 0] * x_[..., 0]
+    out.addcmul_(freqs[..., 1], x_[..., 1])
+    return out.reshape(*x.shape).type_as(x)
+
+
+class FluxAttentionBlock(torch.nn.Module):
+    """Flux's attention path in plain torch: a fused QKV projection, per-head RMSNorm and RoPE of
+    q and k (what the fused RoPE pass turns into ``nexfort::rms_norm_rope``), SDPA, an output
+    projection. Imports nothing of the engine: a new process that builds it has not registered
+    the engine's ops."""
+
+    def __init__(self, dim: int = 64, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.q_scale = torch.nn.Parameter(torch.randn(dim // heads) * 0.2 + 1)
+        self.k_scale = torch.nn.Parameter(torch.randn(dim // heads) * 0.2 + 1)
+
+    def forward(self, x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q = apply_rope1(torch.rms_norm(q, (q.shape[-1],), self.q_scale, 1e-6), pe)
+        k = apply_rope1(torch.rms_norm(k, (k.shape[-1],), self.k_scale, 1e-6), pe)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(o.transpose(1, 2).reshape(x.shape))
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b||, in float64."""
     a, b = a.double(), b.double()

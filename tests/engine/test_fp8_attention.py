@@ -429,28 +429,6 @@ def test_regional_sweep_counts_and_never_recompiles(comfy_inproc, cache, fresh_s
     torch._dynamo.reset()
 
 
-class _Block(torch.nn.Module):
-    """Flux's attention path on a fused QKV projection, with an output projection."""
-
-    def __init__(self, dim: int = 64, heads: int = 2):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-        self.q_scale = torch.nn.Parameter(torch.randn(dim // heads) * 0.2 + 1)
-        self.k_scale = torch.nn.Parameter(torch.randn(dim // heads) * 0.2 + 1)
-
-    def forward(self, x, pe):
-        from nexfort_engine.rope import torch_apply_rope
-
-        qkv = self.qkv(x)
-        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        q = torch_apply_rope(torch.rms_norm(q, (q.shape[-1],), self.q_scale, 1e-6), pe)
-        k = torch_apply_rope(torch.rms_norm(k, (k.shape[-1],), self.k_scale, 1e-6), pe)
-        o = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(o.transpose(1, 2).reshape(x.shape))
-
-
 @pytest.mark.inductor
 @torch.no_grad()
 def test_inductor_compiles_the_fp8_path(fresh_stats, nx_cache, cache):
@@ -461,7 +439,7 @@ def test_inductor_compiles_the_fp8_path(fresh_stats, nx_cache, cache):
 
     dynamo_counters["aot_autograd"].clear()
     torch.manual_seed(0)
-    model = _Block().to(torch.bfloat16)
+    model = tiny_models.FluxAttentionBlock().to(torch.bfloat16)
     cm = nexfort_engine.compile(model, {"fused_rope": True, "fp8_attention": True, "mode": "max-optimize:cache-all"},
                                 cache_dir=nx_cache, label="fp8-attention")
     for tokens in (7, 13):

@@ -25,12 +25,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fp8_stored import CastLinear, _cpu_rowwise_scaled_mm, _randn
+from test_fp8_stored import CastLinear, _cpu_rowwise_scaled_mm, _randn, _twin_layer
+from test_split import _record
 from tiny_models import rel_l2
 
 import nexfort_engine
 from nexfort_engine import compiler, split, stream
-from nexfort_engine.fp8 import clear_cache, fp8_mm_stored_reference, quantize_rowwise
+from nexfort_engine.fp8 import clear_cache, fp8_linear_reference
 
 pytestmark = [
     pytest.mark.skipif(not _cpu_rowwise_scaled_mm(),
@@ -61,25 +62,9 @@ class MixedMLP(torch.nn.Module):
 def _twin(m: MixedMLP, x: torch.Tensor) -> torch.Tensor:
     """The fp8 graph's torch twin: activations per row, bf16 weights per output channel, the stored
     weight as stored (times its scale); float32 products, bf16 outputs."""
-
-    def cached(lin: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
-        xq, sx = quantize_rowwise(h.reshape(-1, h.shape[-1]))
-        wq, sw = quantize_rowwise(lin.weight)
-        out = (xq.float() * sx) @ (wq.float() * sw).t() + lin.bias.float()
-        return out.to(h.dtype).reshape(*h.shape[:-1], -1)
-
-    def stored(layer: CastLinear, h: torch.Tensor) -> torch.Tensor:
-        xq, sx = quantize_rowwise(h.reshape(-1, h.shape[-1]))
-        out = fp8_mm_stored_reference(xq, sx, layer.weight, layer.scale_weight, layer.bias)
-        return out.to(h.dtype).reshape(*h.shape[:-1], -1)
-
-    return cached(m.c, F.gelu(stored(m.b, F.gelu(cached(m.a, x)))))
-
-
-def _record(stats) -> dict:
-    models = stats()["models"]
-    assert len(models) == 1, models
-    return next(iter(models.values()))
+    h = F.gelu(fp8_linear_reference(x, m.a.weight, m.a.bias))
+    h = F.gelu(_twin_layer(m.b, h))
+    return fp8_linear_reference(h, m.c.weight, m.c.bias)
 
 
 def _compile(m: MixedMLP, cache_dir) -> nexfort_engine.CompiledModule:

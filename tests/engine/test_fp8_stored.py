@@ -25,7 +25,7 @@ from tiny_models import rel_l2
 
 import nexfort_engine
 from nexfort_engine import compiler as compiler_mod
-from nexfort_engine.fp8 import fp8_mm_stored, fp8_mm_stored_reference, quantize_rowwise
+from nexfort_engine.fp8 import fp8_linear_reference, fp8_mm_stored, fp8_mm_stored_reference, quantize_rowwise
 from nexfort_engine.passes import fp8_stored
 
 STORED = torch.ops.nexfort.fp8_mm_stored.default
@@ -122,13 +122,10 @@ class StoredMLP(torch.nn.Module):
 def _twin_layer(layer: CastLinear, x: torch.Tensor) -> torch.Tensor:
     """What the fp8 graph computes for one layer: the activation quantized per row, the stored
     weight (times its scale) as is; the patched layer's weight quantized per row too."""
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, sx = quantize_rowwise(x2)
-    if layer.delta is None:
-        out = fp8_mm_stored_reference(xq, sx, layer.weight, layer.scale_weight, layer.bias)
-    else:
-        wq, sw = quantize_rowwise(layer.cast_weight(x.dtype))
-        out = ((xq.float() * sx) @ (wq.float() * sw).t() + layer.bias.float()).to(torch.bfloat16)
+    if layer.delta is not None:  # the cached path's twin
+        return fp8_linear_reference(x, layer.cast_weight(x.dtype), layer.bias)
+    xq, sx = quantize_rowwise(x.reshape(-1, x.shape[-1]))
+    out = fp8_mm_stored_reference(xq, sx, layer.weight, layer.scale_weight, layer.bias)
     return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 

@@ -387,32 +387,6 @@ def test_parts_that_cannot_ship_or_are_not_delivered_are_compiled_here(small_par
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
-class _RopeBlock(torch.nn.Module):
-    """Flux's attention: per-head RMSNorm and ComfyUI's ``apply_rope1`` on q and k (the fused
-    RoPE pass makes them ``nexfort::rms_norm_rope``)."""
-
-    def __init__(self, dim: int = 64, heads: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-        self.q_scale = torch.nn.Parameter(torch.randn(dim // heads) * 0.2 + 1)
-        self.k_scale = torch.nn.Parameter(torch.randn(dim // heads) * 0.2 + 1)
-
-    @staticmethod
-    def rope(y: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        y_ = y.to(dtype=freqs.dtype).reshape(*y.shape[:-1], -1, 1, 2)
-        return (freqs[..., 0] * y_[..., 0] + freqs[..., 1] * y_[..., 1]).reshape(*y.shape).type_as(y)
-
-    def forward(self, x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)
-        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        q = self.rope(torch.rms_norm(q, (q.shape[-1],), self.q_scale, 1e-6), pe)
-        k = self.rope(torch.rms_norm(k, (k.shape[-1],), self.k_scale, 1e-6), pe)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        return self.proj(o.transpose(1, 2).reshape(x.shape))
-
-
 @pytest.mark.inductor
 @torch.no_grad()
 def test_a_worker_compiles_a_part_with_nexfort_ops(small_parts, tmp_path, fresh_stats, clean_dynamo):
@@ -420,10 +394,10 @@ def test_a_worker_compiles_a_part_with_nexfort_ops(small_parts, tmp_path, fresh_
     in its worker, a new process that ran no pass defining the op. Before the worker registered the
     engine's ops, it exited on ``AttributeError: ... no attribute 'rms_norm_rope'`` and the parent
     compiled that part itself (Flux compiled whole lost its compile workers)."""
-    from tiny_models import rel_l2, rotations
+    from tiny_models import FluxAttentionBlock, rel_l2, rotations
 
     torch.manual_seed(0)
-    block = _RopeBlock().to(torch.bfloat16)
+    block = FluxAttentionBlock().to(torch.bfloat16)
     cm = nexfort_engine.compile(block, {"mode": "max-optimize:cache-all", "fused_rope": True, "compile_workers": 2},
                                 cache_dir=str(tmp_path), label="rope-parts")
     x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
