@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import threads
 from .cache.store import atomic_write_json
 from .options import env_switch
 
@@ -168,11 +169,12 @@ def wait(timeout: float | None = WAIT_S) -> bool:
     seconds: a compile is never held up longer by an import that does not return. Returns
     whether no prewarm is running any more."""
     t = _thread
-    if t is None or not t.is_alive() or t is threading.current_thread():
+    if t is None or t is threading.current_thread():
         return True
+    if not t.is_alive():
+        return threads.join(t, 1.0)  # its OS thread may still be tearing down (threads.join)
     t0 = time.perf_counter()
-    t.join(timeout)
-    if t.is_alive():
+    if not threads.join(t, timeout):
         log.warning("nexfort: the prewarm is still importing after %.0fs; compiling without waiting for it",
                     time.perf_counter() - t0)
         return False

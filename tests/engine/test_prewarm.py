@@ -118,10 +118,10 @@ ADOPT = """
 import json, sys, threading
 sys.path.insert(0, sys.argv[1])
 import torch
-from nexfort_engine.threads import adopt_cudagraph_trees
+from nexfort_engine.threads import adopt_cudagraph_trees, join
 before = adopt_cudagraph_trees()  # not imported yet: nothing to do
 t = threading.Thread(target=lambda: __import__("torch._inductor.cudagraph_trees"))
-t.start(); t.join()
+t.start(); join(t)  # not t.join(): the exit can abort while the OS thread tears down (threads.join)
 ct = sys.modules["torch._inductor.cudagraph_trees"]
 had = hasattr(ct.local, "tree_manager_containers")
 first, second = adopt_cudagraph_trees(), adopt_cudagraph_trees()
@@ -135,7 +135,7 @@ res = {}
 def other():
     res["adopted"] = adopt_cudagraph_trees()
     res["has"] = hasattr(ct.local, "tree_manager_containers") and torch._C._is_key_in_tls("tree_manager_locks")
-t = threading.Thread(target=other); t.start(); t.join()
+t = threading.Thread(target=other); t.start(); join(t)
 out["other"] = res
 print(json.dumps(out))
 """
@@ -146,6 +146,24 @@ def test_adopt_cudagraph_trees_in_another_thread():
     assert out["before"] is False and out["had"] is False  # imported by another thread: none here
     assert out["first"] is True and out["second"] is False and out["has"] and out["tls"]
     assert out["other"] == {"adopted": True, "has": True}
+
+
+def test_join_waits_for_the_os_thread():
+    import os
+    import threading
+
+    from nexfort_engine.threads import join
+
+    for _ in range(20):  # Thread.join alone can return while /proc/self/task still lists it (under load)
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        assert join(t) is True and not os.path.exists(f"/proc/self/task/{t.native_id}")
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)
+    stuck.start()
+    assert join(stuck, 0.05) is False  # bounded: a thread that does not finish
+    release.set()
+    assert join(stuck, 5) is True
 
 
 def test_wait_is_bounded(monkeypatch, caplog):
@@ -176,9 +194,10 @@ sys.path.insert(0, sys.argv[1])
 import torch
 import nexfort_engine
 from nexfort_engine import compiler
+from nexfort_engine.threads import join
 # another thread imports CUDA-graph trees first (the prewarm thread, another custom node)
 t = threading.Thread(target=lambda: __import__("torch._inductor.cudagraph_trees"))
-t.start(); t.join()
+t.start(); join(t)
 if sys.argv[3] == "no-adopt":  # the control: the engine without threads.py's adoption
     compiler.adopt_cudagraph_trees = lambda: False
 m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).cuda().half()
