@@ -62,6 +62,8 @@ class _Record:
     attention_fp8: int = 0
     #: fp8 GEMMs reading the weights a model stores in e4m3, no copy or cast (passes/fp8_stored.py)
     fp8_stored_weights: int = 0
+    #: linears the host swapped for layers storing their weight in e4m3 (``"fp8_weights"``, fp8_weights.py)
+    fp8_weight_layers: int = 0
     #: conv weights converted to channels-last outside the graph so far (weight_layout.py)
     channels_last_weights: int = 0
     #: ahead-of-time graphs (precompile.py): "on", "off" or "off: <why>"; graphs traced or loaded
@@ -131,6 +133,7 @@ class _Record:
             rope_fused=self.rope_fused,
             attention_fp8=self.attention_fp8,
             fp8_stored_weights=self.fp8_stored_weights,
+            fp8_weight_layers=self.fp8_weight_layers,
             channels_last_weights=self.channels_last_weights,
             precompiled=self.precompiled,
             precompiled_graphs=self.precompiled_graphs,

@@ -91,6 +91,7 @@ TOP_LEVEL_KEYS = (
     "background",
     "compile_workers",
     "static_first",
+    "fp8_weights",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -162,6 +163,10 @@ class CompileConfig:
     #: saved forward, decode or encode graph - a UNet, a VAE - on a CUDA device with a cache
     #: directory), True/False = where it can / never
     static_first: bool | None = None
+    #: linear weights inside the model's block stacks stored in e4m3 with one scale each while it
+    #: is compiled (fp8_weights.py; the host swaps the layers in and keeps the originals off the
+    #: device): half the weights' memory of bf16, lossy (one rounding per weight); off by default
+    fp8_weights: bool = False
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -177,6 +182,8 @@ class CompileConfig:
         """Stable short hash of the identity fields (used in cache keys)."""
         d = self.to_dict()
         d.pop("mode", None)
+        if not d["fp8_weights"]:  # added later: configs without it keep their digest (and caches)
+            d.pop("fp8_weights")
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -349,6 +356,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         background=_as_bool("background", options.get("background", False)),
         compile_workers=_as_workers(options.get("compile_workers")),
         static_first=_as_optional_bool("static_first", options.get("static_first")),
+        fp8_weights=_as_bool("fp8_weights", options.get("fp8_weights", False)),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

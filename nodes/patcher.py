@@ -16,6 +16,12 @@
   input, whichever is smaller: a size test Dynamo guards on, so resolutions crossing it compiled
   again. While traced, their class runs one form (:func:`one_branch_scaled_fp8`); eager calls are
   unchanged.
+* ``"fp8_weights": true``: the linears inside the model's block stacks are swapped, through the
+  clone's object patches, for engine layers that store the weight in e4m3 with one scale
+  (``nexfort_engine/fp8_weights.py``; made once per original layer, on the offload device). ComfyUI
+  puts the originals back when another patcher of the model loads; while the clone is loaded
+  (an ``ON_LOAD`` callback) they are kept on the offload device. LoRA and other weight patches go
+  through the layers' ``convert_weight``/``set_weight``, as for ComfyUI's own scaled fp8 linears.
 * VAEs: :func:`compile_vae` returns a shallow copy of the VAE whose ``first_stage_model`` is a
   proxy with compiled ``decode``/``encode`` (used by the plain and the tiled paths alike).
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -32,6 +39,7 @@ import torch
 import nexfort_engine
 from nexfort_engine import counters
 from nexfort_engine.cache import ENV_CACHE_DIR
+from nexfort_engine.fp8_weights import Fp8StoredLinear, storable, stored_copy
 from nexfort_engine.options import CompileConfig
 from nexfort_engine.regions import DropKeys
 from nexfort_engine.transfer import to_device_async
@@ -152,6 +160,57 @@ def one_branch_scaled_fp8(module: torch.nn.Module) -> int:
     return n
 
 
+#: a module path inside a stack of blocks (Flux's double_blocks/single_blocks, a UNet's
+#: input_blocks/middle_block/output_blocks and transformer_blocks, PixArt's and Wan's blocks,
+#: Lumina's layers): the embedders and the final layer outside them keep their precision
+_IN_BLOCKS = re.compile(r"(^|\.)(\w*blocks?|layers)\.")
+#: the stored copy of an original linear, in its ``__dict__`` with the weight it was made from:
+#: a node run again on the same model reuses it (and the graph compiled with it)
+_FP8_ATTR = "_nexfort_fp8_stored"
+
+
+def _stored_copy_of(module: torch.nn.Module, device: Any) -> Fp8StoredLinear:
+    made = module.__dict__.get(_FP8_ATTR)
+    w = module.weight
+    if made is not None and made[0] is w and made[1] == (w.data_ptr(), tuple(w.shape), w.dtype):
+        return made[2]
+    with torch.no_grad():
+        new = stored_copy(module).to(device)  # rounded where the weight is; only e4m3 bytes move
+    object.__setattr__(module, _FP8_ATTR, (w, (w.data_ptr(), tuple(w.shape), w.dtype), new))
+    return new
+
+
+def _keep_originals_off_device(patcher: Any, *_: Any) -> None:
+    """ON_LOAD callback: the linears a stored copy stands in for stay on the offload device."""
+    backup = getattr(patcher, "object_patches_backup", {})
+    for key, new in patcher.object_patches.items():
+        orig = backup.get(key)
+        if isinstance(new, Fp8StoredLinear) and isinstance(orig, torch.nn.Module):
+            orig.to(patcher.offload_device)
+
+
+def store_fp8_weights(patcher: Any) -> int:
+    """Give ``patcher`` (a clone) object patches that swap each storable linear inside the diffusion
+    model's block stacks for its e4m3 stored copy; returns how many. Already-swapped layers (another
+    of our clones is loaded) are looked up in the shared backup, so the originals are the source."""
+    from comfy.patcher_extension import CallbacksMP
+
+    dm = patcher.get_model_object("diffusion_model")
+    backup = getattr(patcher, "object_patches_backup", {})
+    n = 0
+    for name, mod in list(dm.named_modules()):
+        key = f"diffusion_model.{name}"
+        orig = backup.get(key, mod)
+        if not name or not _IN_BLOCKS.search(name + ".") or not storable(orig):
+            continue
+        patcher.add_object_patch(key, _stored_copy_of(orig, patcher.offload_device))
+        n += 1
+    if n:
+        patcher.remove_callbacks_with_key(CallbacksMP.ON_LOAD, WRAPPER_KEY)
+        patcher.add_callback_with_key(CallbacksMP.ON_LOAD, WRAPPER_KEY, _keep_originals_off_device)
+    return n
+
+
 def _progress(node_id: str | None, text: str) -> None:
     try:
         from server import PromptServer
@@ -208,6 +267,11 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
         _not_compiled(type(model.get_model_object("diffusion_model")).__name__,
                       f"cannot be made a regular model: {why}", node_id)
         return m
+
+    if config.fp8_weights:
+        n = store_fp8_weights(m)
+        log.info("nexfort: %d linear weights stored in fp8 (e4m3, one scale each) while this model runs", n)
+        counters.set_info(type(m.get_model_object("diffusion_model")).__name__, fp8_weight_layers=n, node_id=node_id)
 
     if one_branch_scaled_fp8(m.get_model_object("diffusion_model")):
         log.info("nexfort: scaled fp8 linears traced with one form for every input size (no recompile "

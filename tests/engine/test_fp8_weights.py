@@ -1,0 +1,192 @@
+"""Linear weights stored in e4m3 while compiled (``"fp8_weights": true``): the engine's layer
+(``nexfort_engine/fp8_weights.py``) against plain torch, and the node layer's swap through
+ComfyUI's object patches on the tiny Flux, sampled through ComfyUI's real sampler: the weights are
+e4m3 while the clone runs, the originals come back bit for bit, a LoRA goes through the layers'
+patch protocol, and under O3 every token-wise GEMM reads the stored tensor."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import tiny_models as tm
+import torch
+import torch.nn.functional as F
+
+import nexfort_engine
+from nexfort_engine.fp8 import _key, fp8_mm_stored
+from nexfort_engine.fp8_weights import (
+    E4M3,
+    E4M3_MAX,
+    HEADROOM,
+    Fp8StoredLinear,
+    quantize_per_tensor,
+    storable,
+    stored_copy,
+)
+
+# the fp8 weights' rounding moved the tiny Flux's image by 0.023 relative L2 (float32 weights)
+WEIGHT_ERR = 0.06
+
+
+def test_quantize_per_tensor_against_torch():
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 0.02
+    q, s = quantize_per_tensor(w)
+    assert q.dtype == E4M3 and s.dtype == torch.float32 and s.dim() == 0
+    assert torch.equal(s, w.abs().amax() * HEADROOM / E4M3_MAX)
+    assert torch.equal(q, (w / s).to(E4M3))  # plain torch: divide, cast
+    assert q.float().abs().max() == E4M3_MAX / HEADROOM and tm.rel_l2(q.float() * s, w) < 0.05
+    q2, s2 = quantize_per_tensor(w * 4, s)  # a given scale: values past its range clip at 448
+    assert torch.equal(s2, s) and q2.float().abs().max() == E4M3_MAX
+    zq, zs = quantize_per_tensor(torch.zeros(16, 16))
+    assert zs == 1 and not zq.float().any()
+
+
+def test_layer_against_its_twin():
+    gen = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(32, 48)
+    torch.nn.init.normal_(lin.weight, std=0.05, generator=gen)
+    layer = stored_copy(lin)
+    assert layer.weight.dtype == E4M3 and layer.bias is not lin.bias and layer.bias.data_ptr() == lin.bias.data_ptr()
+    assert lin.weight.dtype == torch.float32  # the original is untouched
+    x = torch.randn(2, 7, 32, generator=gen)
+    with torch.no_grad():
+        twin = F.linear(x, layer.weight.float() * layer.scale_weight, lin.bias)
+        assert torch.equal(layer(x), twin)
+        assert torch.equal(layer.dequantized(), layer.weight.float() * layer.scale_weight)
+        assert tm.rel_l2(layer(x), lin(x)) < 0.05
+    assert not storable(layer) and not storable(torch.nn.Linear(30, 48)) and not storable(torch.nn.Conv2d(16, 16, 1))
+    assert not storable(torch.nn.Linear(32, 48).to(E4M3))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        stored_copy(torch.nn.Linear(30, 48))
+
+
+def test_patch_protocol():
+    """``convert_weight``/``set_weight`` as ComfyUI's weight patching calls them: the stored values
+    as full precision, and a patched weight rounded back with the layer's scale."""
+    lin = torch.nn.Linear(32, 32)
+    layer = stored_copy(lin)
+    full = layer.convert_weight(layer.weight.float())
+    assert torch.equal(full, layer.dequantized())
+    inplace = layer.weight.float()
+    assert layer.convert_weight(inplace, inplace=True) is inplace and torch.equal(inplace, full)
+    patched = full + 0.01
+    q = layer.set_weight(patched, return_weight=True)
+    assert q.dtype == E4M3 and torch.equal(q, (patched / layer.scale_weight).clamp(-448, 448).to(E4M3))
+    ptr = layer.weight.data_ptr()
+    layer.set_weight(patched, inplace_update=True)
+    assert layer.weight.data_ptr() == ptr and torch.equal(layer.weight, q)
+    layer.set_weight(full)
+    assert layer.weight.data_ptr() != ptr and torch.equal(layer.dequantized(), full)
+
+
+def test_originals_kept_on_the_offload_device(patcher):
+    orig = torch.nn.Linear(16, 16)
+    other = torch.nn.Linear(16, 16)
+    fake = types.SimpleNamespace(offload_device=torch.device("meta"),
+                                 object_patches={"a": stored_copy(orig), "b": torch.nn.Identity()},
+                                 object_patches_backup={"a": orig, "b": other})
+    patcher._keep_originals_off_device(fake, torch.device("cpu"), 0, False, True)
+    assert orig.weight.device.type == "meta"  # what a stored copy stands in for
+    assert other.weight.device.type == "cpu"  # another object patch's original is not ours to move
+
+
+def _block_linears(dm: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in dm.named_modules() if isinstance(m, (torch.nn.Linear, Fp8StoredLinear))}
+
+
+@torch.no_grad()
+def test_swapped_while_the_clone_runs_and_put_back(patcher, comfy_inproc, fresh_stats):
+    mp = tm.tiny_flux(seed=5, depth=2, depth_single=1)
+    dm = mp.model.diffusion_model
+    before = _block_linears(dm)
+    weights = {n: m.weight for n, m in before.items()}
+    h, w = tm.RESOLUTIONS["flux"][1]
+    ref = tm.sample(mp, h, w, 1, 2, 1.0, 20, seed=2)
+    cfg = nexfort_engine.parse_options({"mode": "O2", "backend": "eager", "fp8_weights": True})
+    compiled = patcher.compile_model_patcher(mp, cfg, node_id="f8w")
+    out = tm.sample(compiled, h, w, 1, 2, 1.0, 20, seed=2)
+    during = _block_linears(dm)
+    swapped = {n for n, m in during.items() if isinstance(m, Fp8StoredLinear)}
+    # every block linear, none of the embedders or the final layer
+    assert swapped == {n for n in before if "blocks." in n} and len(swapped) >= 15
+    assert all(during[n].weight.dtype == E4M3 for n in swapped)
+    assert 0 < tm.rel_err(out, ref) < WEIGHT_ERR
+    rec = next(r for r in fresh_stats()["models"].values() if "f8w" in r["node_ids"])
+    assert rec["fp8_weight_layers"] == len(swapped) and rec["fallbacks"] == 0
+
+    # the original patcher loads again: ComfyUI puts the original layers back, untouched
+    again = tm.sample(mp, h, w, 1, 2, 1.0, 20, seed=2)
+    assert torch.equal(again, ref)
+    after = _block_linears(dm)
+    assert all(after[n] is m and after[n].weight is weights[n] for n, m in before.items())
+
+    # the node run again on the same model reuses the stored copies (and so the compiled graph)
+    compiled2 = patcher.compile_model_patcher(mp, cfg, node_id="f8w")
+    assert all(compiled2.object_patches[k] is v for k, v in compiled.object_patches.items())
+    assert torch.equal(tm.sample(compiled2, h, w, 1, 2, 1.0, 20, seed=2), out)
+
+
+@torch.no_grad()
+def test_lora_through_the_stored_layers(patcher, comfy_inproc):
+    """A LoRA-like patch on a swapped layer, added by ComfyUI on top of the fp8 clone (as a LoRA
+    loader after the node does): it moves the image as it does on the original weights, within the
+    fp8 rounding, and is gone once the unpatched clone loads again. The patch is rank 1 with its
+    largest entry 0.9 of the weight's: a strong LoRA, within the stored scale's headroom."""
+    mp = tm.tiny_flux(seed=6, depth=2, depth_single=1)
+    gen = torch.Generator().manual_seed(7)
+    patches = {}
+    for key in ("diffusion_model.double_blocks.1.img_attn.qkv.weight", "diffusion_model.double_blocks.1.img_mlp.0.weight",
+                "diffusion_model.single_blocks.0.linear1.weight"):
+        w = mp.model.get_parameter(key)
+        delta = torch.outer(torch.randn(w.shape[0], generator=gen), torch.randn(w.shape[1], generator=gen))
+        patches[key] = (delta * (0.9 * w.abs().max() / delta.abs().max()),)
+    cfg = nexfort_engine.parse_options({"mode": "O2", "backend": "eager", "fp8_weights": True})
+    h, w_px = tm.RESOLUTIONS["flux"][1]
+    fp8 = patcher.compile_model_patcher(mp, cfg, node_id="f8w-lora")
+    fp8_lora = fp8.clone()
+    fp8_lora.add_patches(patches, 1.0)
+    full_lora = mp.clone()
+    full_lora.add_patches(patches, 1.0)
+    plain = tm.sample(fp8, h, w_px, 1, 2, 1.0, 20, seed=3)
+    with_lora = tm.sample(fp8_lora, h, w_px, 1, 2, 1.0, 20, seed=3)
+    assert isinstance(mp.model.diffusion_model.double_blocks[1].img_attn.qkv, Fp8StoredLinear)
+    ref_lora = tm.sample(full_lora, h, w_px, 1, 2, 1.0, 20, seed=3)
+    assert tm.rel_err(with_lora, plain) > 0.1  # the patch reached the stored layer
+    assert tm.rel_err(with_lora, ref_lora) < WEIGHT_ERR
+    assert torch.equal(tm.sample(fp8, h, w_px, 1, 2, 1.0, 20, seed=3), plain)  # and was taken off again
+
+
+def _cpu_rowwise_scaled_mm() -> bool:
+    try:
+        q = torch.randn(16, 16).to(E4M3)
+        fp8_mm_stored(q, torch.ones(16, 1), q, None, None)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cpu_rowwise_scaled_mm(), reason="this torch's CPU _scaled_mm has no rowwise scales")
+@torch.no_grad()
+def test_o3_gemms_read_the_stored_weights(patcher, comfy_inproc, fresh_stats, cache):
+    """O3 with fp8 linears on the swapped model (aot_eager): the swapped layers' GEMMs take the
+    stored e4m3 tensors (``fp8_mm_stored``) with no fp8 copy made for them, and the image is within
+    the activations' rounding of the eager fp8-weights run."""
+    mp = tm.tiny_flux(seed=8, depth=2, depth_single=1)
+    h, w = tm.RESOLUTIONS["flux"][1]
+    eager = patcher.compile_model_patcher(
+        mp, nexfort_engine.parse_options({"mode": "O2", "backend": "eager", "fp8_weights": True}), node_id="f8w-e")
+    ref = tm.sample(eager, h, w, 1, 2, 1.0, 20, seed=4)
+    cfg = nexfort_engine.parse_options({"mode": "O3", "fp8": True, "backend": "aot_eager", "fp8_weights": True})
+    compiled = patcher.compile_model_patcher(mp, cfg, node_id="f8w-o3")
+    out = tm.sample(compiled, h, w, 1, 2, 1.0, 20, seed=4)
+    assert tm.rel_err(out, ref) < 6e-2
+    rec = next(r for r in fresh_stats()["models"].values() if "f8w-o3" in r["node_ids"])
+    assert rec["fp8"] is True and rec["fallbacks"] == 0, rec["fallback_reasons"]
+    # every swapped layer's GEMM reads its stored tensor (measured: 23 of 23)
+    assert rec["fp8_stored_weights"] == rec["fp8_weight_layers"] >= 15
+    # fp8 copies exist only for the token-wise linears outside the blocks (img_in, txt_in, the final
+    # layer: still in their own dtype), none for a swapped one
+    outside = {_key(m.weight) for n, m in mp.model.diffusion_model.named_modules()
+               if isinstance(m, torch.nn.Linear) and "blocks." not in n}
+    assert 0 < len(cache) <= 4 and set(cache._entries) <= outside
