@@ -126,11 +126,14 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def model_width(module: torch.nn.Module) -> int:
     """The width of ``module``'s linears: the parameter-weighted median of ``min(in, out)``
     features over its 2-D ``nn.Linear`` weights (SDXL 1280, PixArt-alpha 1152, Wan 2.1 1.3B 1536,
-    Flux 3072); 0 without linears."""
+    Flux 3072) and those stored in e4m3 (:class:`~nexfort_engine.fp8_weights.Fp8StoredLinear`,
+    ``"fp8_weights"``); 0 without linears."""
+    from .fp8_weights import Fp8StoredLinear
+
     widths: list[tuple[int, int]] = []
     for m in module.modules():
         w = getattr(m, "weight", None)
-        if isinstance(m, torch.nn.Linear) and isinstance(w, torch.Tensor) and w.dim() == 2:
+        if isinstance(m, (torch.nn.Linear, Fp8StoredLinear)) and isinstance(w, torch.Tensor) and w.dim() == 2:
             widths.append((min(w.shape), w.numel()))
     total = sum(n for _, n in widths)
     seen = 0

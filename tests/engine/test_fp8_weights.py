@@ -61,6 +61,17 @@ def test_layer_against_its_twin():
         stored_copy(torch.nn.Linear(30, 48))
 
 
+def test_stored_layers_keep_the_model_width():
+    """Auto fp8 (O3) decides by the linears' width (fp8.pays_off): a model whose block linears are
+    swapped keeps its width, so O3 still turns fp8 on for it."""
+    from nexfort_engine.fp8 import model_width
+
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(64, 96), torch.nn.Linear(96, 64))
+    before = model_width(net)
+    net[1], net[2] = stored_copy(net[1]), stored_copy(net[2])
+    assert before == model_width(net) == 64
+
+
 def test_patch_protocol():
     """``convert_weight``/``set_weight`` as ComfyUI's weight patching calls them: the stored values
     as full precision, and a patched weight rounded back with the layer's scale."""
