@@ -133,11 +133,18 @@ class Fp8StoredLinear(torch.nn.Module):
         return None
 
 
-def stored_copy(module: torch.nn.Module) -> Fp8StoredLinear:
+def stored_copy(module: torch.nn.Module, weight: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> Fp8StoredLinear:
     """An :class:`Fp8StoredLinear` with ``module``'s weight rounded to e4m3 (on the weight's device)
-    and its bias; ``module`` is left as it is. Raises ValueError when it is not :func:`storable`."""
+    and its bias; ``module`` is left as it is. ``weight``/``bias`` replace the module's own (a host
+    passes the unpatched originals it keeps while a patched copy is loaded). Raises ValueError when
+    the module is not :func:`storable` or ``weight`` does not match its weight's shape and dtype."""
     if not storable(module):
         raise ValueError(f"not a linear with a bf16/fp16/fp32 weight whose sizes are multiples of 16: {module!r}")
     assert isinstance(module, torch.nn.Linear)
+    w = module.weight if weight is None else weight
+    if w.shape != module.weight.shape or w.dtype != module.weight.dtype:
+        raise ValueError(f"weight {tuple(w.shape)} {w.dtype} does not match the layer's "
+                         f"{tuple(module.weight.shape)} {module.weight.dtype}")
     with torch.no_grad():
-        return Fp8StoredLinear(module.weight, module.bias, module.weight.dtype)
+        return Fp8StoredLinear(w, module.bias if bias is None else bias, w.dtype)

@@ -164,20 +164,30 @@ def one_branch_scaled_fp8(module: torch.nn.Module) -> int:
 #: input_blocks/middle_block/output_blocks and transformer_blocks, PixArt's and Wan's blocks,
 #: Lumina's layers): the embedders and the final layer outside them keep their precision
 _IN_BLOCKS = re.compile(r"(^|\.)(\w*blocks?|layers)\.")
-#: the stored copy of an original linear, in its ``__dict__`` with the weight it was made from:
-#: a node run again on the same model reuses it (and the graph compiled with it)
+#: the stored copy of an original linear, in its ``__dict__`` with the address, shape, dtype and
+#: device of the weight it was made from: a node run again on the same model reuses it (and the
+#: graph compiled with it). No reference to the weight is kept (it may be a backup ComfyUI frees).
 _FP8_ATTR = "_nexfort_fp8_stored"
 
 
-def _stored_copy_of(module: torch.nn.Module, device: Any) -> Fp8StoredLinear:
+def _stored_copy_of(module: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
+                    device: Any) -> Fp8StoredLinear:
     made = module.__dict__.get(_FP8_ATTR)
-    w = module.weight
-    if made is not None and made[0] is w and made[1] == (w.data_ptr(), tuple(w.shape), w.dtype):
-        return made[2]
+    ident = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device,
+             None if bias is None else bias.data_ptr())
+    if made is not None and made[0] == ident:
+        return made[1]
     with torch.no_grad():
-        new = stored_copy(module).to(device)  # rounded where the weight is; only e4m3 bytes move
-    object.__setattr__(module, _FP8_ATTR, (w, (w.data_ptr(), tuple(w.shape), w.dtype), new))
+        new = stored_copy(module, weight, bias).to(device)  # rounded where the weight is; only e4m3 bytes move
+    object.__setattr__(module, _FP8_ATTR, (ident, new))
     return new
+
+
+def _original(patcher: Any, key: str, current: torch.Tensor | None) -> torch.Tensor | None:
+    """The unpatched tensor at ``key``: ComfyUI's backup while a patched clone of the model is
+    loaded (clones share it), else the tensor in the model."""
+    bk = getattr(patcher, "backup", {}).get(key)
+    return current if bk is None else bk.weight
 
 
 def _keep_originals_off_device(patcher: Any, *_: Any) -> None:
@@ -192,7 +202,8 @@ def _keep_originals_off_device(patcher: Any, *_: Any) -> None:
 def store_fp8_weights(patcher: Any) -> int:
     """Give ``patcher`` (a clone) object patches that swap each storable linear inside the diffusion
     model's block stacks for its e4m3 stored copy; returns how many. Already-swapped layers (another
-    of our clones is loaded) are looked up in the shared backup, so the originals are the source."""
+    of our clones is loaded) are looked up in the shared object-patch backup, and weights a loaded
+    clone has patched (a LoRA) in ComfyUI's shared weight backup: the originals are the source."""
     from comfy.patcher_extension import CallbacksMP
 
     dm = patcher.get_model_object("diffusion_model")
@@ -203,7 +214,9 @@ def store_fp8_weights(patcher: Any) -> int:
         orig = backup.get(key, mod)
         if not name or not _IN_BLOCKS.search(name + ".") or not storable(orig):
             continue
-        patcher.add_object_patch(key, _stored_copy_of(orig, patcher.offload_device))
+        weight = _original(patcher, f"{key}.weight", orig.weight)
+        bias = _original(patcher, f"{key}.bias", orig.bias)
+        patcher.add_object_patch(key, _stored_copy_of(orig, weight, bias, patcher.offload_device))
         n += 1
     if n:
         patcher.remove_callbacks_with_key(CallbacksMP.ON_LOAD, WRAPPER_KEY)

@@ -59,6 +59,10 @@ def test_layer_against_its_twin():
     assert not storable(torch.nn.Linear(32, 48).to(E4M3))
     with pytest.raises(ValueError, match="multiples of 16"):
         stored_copy(torch.nn.Linear(30, 48))
+    with pytest.raises(ValueError, match="does not match"):
+        stored_copy(lin, torch.zeros(48, 16))
+    other = stored_copy(lin, lin.weight * 2, torch.zeros(48))  # the originals a host passes
+    assert torch.equal(other.scale_weight, layer.scale_weight * 2) and not other.bias.any()
 
 
 def test_stored_layers_keep_the_model_width():
@@ -136,6 +140,25 @@ def test_swapped_while_the_clone_runs_and_put_back(patcher, comfy_inproc, fresh_
     compiled2 = patcher.compile_model_patcher(mp, cfg, node_id="f8w")
     assert all(compiled2.object_patches[k] is v for k, v in compiled.object_patches.items())
     assert torch.equal(tm.sample(compiled2, h, w, 1, 2, 1.0, 20, seed=2), out)
+
+
+@torch.no_grad()
+def test_copies_come_from_the_unpatched_weights(patcher, comfy_inproc):
+    """The node runs while another clone of the model with a LoRA is loaded (the last prompt's): the
+    stored copies are made from ComfyUI's backup of the original weights, not from the patched ones
+    in the model, so the image equals the one made without that prompt."""
+    h, w = tm.RESOLUTIONS["flux"][1]
+    cfg = nexfort_engine.parse_options({"mode": "O2", "backend": "eager", "fp8_weights": True})
+    clean = tm.sample(patcher.compile_model_patcher(tm.tiny_flux(seed=9, depth=2, depth_single=1), cfg), h, w,
+                      1, 2, 1.0, 20, seed=5)
+    mp = tm.tiny_flux(seed=9, depth=2, depth_single=1)
+    key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+    lora = mp.clone()
+    lora.add_patches({key: (torch.ones_like(mp.model.get_parameter(key)) * 0.05,)}, 1.0)
+    tm.sample(lora, h, w, 1, 2, 1.0, 20, seed=5)  # loaded with the patch applied
+    assert not torch.equal(mp.model.get_parameter(key), lora.backup[key].weight)
+    out = tm.sample(patcher.compile_model_patcher(mp, cfg), h, w, 1, 2, 1.0, 20, seed=5)
+    assert torch.equal(out, clean)
 
 
 @torch.no_grad()
