@@ -369,6 +369,9 @@ def compile_vae(vae: Any, config: CompileConfig, node_id: str | None = None) -> 
     A VAE loaded with newer ComfyUI's dynamic VRAM pages its weights in inside each layer's call,
     which Dynamo cannot trace, and ComfyUI offers no regular twin of it: the copy runs eager, with a
     warning and a counted fallback."""
+    if config.fp8_weights:
+        log.warning("nexfort: \"fp8_weights\" stores a diffusion model's linears in fp8; a VAE keeps its weights "
+                    "(ignored here)")
     inner = vae.first_stage_model
     if isinstance(inner, _CompiledVAEModel):
         inner = inner.inner
