@@ -78,7 +78,7 @@ class Fp8StoredLinear(torch.nn.Module):
     weight_function: list[Any] = []
     bias_function: list[Any] = []
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         q, scale = quantize_per_tensor(weight)
         self.out_features, self.in_features = q.shape
@@ -86,8 +86,6 @@ class Fp8StoredLinear(torch.nn.Module):
         self.scale_weight = torch.nn.Parameter(scale, requires_grad=False)
         # its own Parameter on the same storage: moving this module does not move the original's bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-        #: the dtype of the weight it was made from (what set_weight receives patches in)
-        self.compute_dtype = compute_dtype
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"
@@ -147,4 +145,4 @@ def stored_copy(module: torch.nn.Module, weight: torch.Tensor | None = None,
         raise ValueError(f"weight {tuple(w.shape)} {w.dtype} does not match the layer's "
                          f"{tuple(module.weight.shape)} {module.weight.dtype}")
     with torch.no_grad():
-        return Fp8StoredLinear(w, module.bias if bias is None else bias, w.dtype)
+        return Fp8StoredLinear(w, module.bias if bias is None else bias)

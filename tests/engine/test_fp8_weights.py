@@ -12,9 +12,10 @@ import pytest
 import tiny_models as tm
 import torch
 import torch.nn.functional as F
+from test_fp8_stored import _cpu_rowwise_scaled_mm
 
 import nexfort_engine
-from nexfort_engine.fp8 import _key, fp8_mm_stored
+from nexfort_engine.fp8 import _key
 from nexfort_engine.fp8_weights import (
     E4M3,
     E4M3_MAX,
@@ -189,15 +190,6 @@ def test_lora_through_the_stored_layers(patcher, comfy_inproc):
     assert tm.rel_err(with_lora, plain) > 0.1  # the patch reached the stored layer
     assert tm.rel_err(with_lora, ref_lora) < WEIGHT_ERR
     assert torch.equal(tm.sample(fp8, h, w_px, 1, 2, 1.0, 20, seed=3), plain)  # and was taken off again
-
-
-def _cpu_rowwise_scaled_mm() -> bool:
-    try:
-        q = torch.randn(16, 16).to(E4M3)
-        fp8_mm_stored(q, torch.ones(16, 1), q, None, None)
-    except RuntimeError:
-        return False
-    return True
 
 
 @pytest.mark.skipif(not _cpu_rowwise_scaled_mm(), reason="this torch's CPU _scaled_mm has no rowwise scales")
