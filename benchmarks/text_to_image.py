@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "computes in ComfyUI's manual-cast dtype, as the UNETLoader's weight_dtype option does")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny twins of the architectures (CPU tests)")
+    p.add_argument("--offload-device", choices=["load", "cpu"], default="load",
+                   help="the ModelPatcher's offload device: 'load' (the GPU: the random weights are built "
+                        "there and never move) or 'cpu' (ComfyUI's default without --highvram; what "
+                        "\"fp8_weights\" needs to take the bf16 originals off the GPU)")
     p.add_argument("--run_multiple_resolutions", "--run-multiple-resolutions", dest="run_multiple_resolutions",
                    type=int, nargs="?", const=1, default=0,
                    help="sweep 4 resolutions x 2 step counts x 2 prompt lengths and report recompiles")
@@ -484,6 +488,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler": runner.scheduler,
         "dtype": str(dtype).replace("torch.", ""),
         "manual_cast": str(manual_cast).replace("torch.", "") if manual_cast is not None else None,
+        "offload_device": args.offload_device,
         "detected_as": None if args.tiny else models.check_detection(spec),
         "cache_dir": str(cache_dir),
         "cache_dir_was_empty": cache_was_empty,
@@ -509,6 +514,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     mp = models.build(spec, device, dtype, manual_cast, seed=args.seed)
+    if args.offload_device == "cpu":
+        mp.offload_device = torch.device("cpu")
     metrics.sync(device)
     result["build_s"] = time.perf_counter() - t0
     result["params"] = sum(p.numel() for p in mp.model.diffusion_model.parameters())

@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import re
@@ -178,7 +179,8 @@ def _stored_copy_of(module: torch.nn.Module, weight: torch.Tensor, bias: torch.T
     if made is not None and made[0] == ident:
         return made[1]
     with torch.no_grad():
-        new = stored_copy(module, weight, bias).to(device)  # rounded where the weight is; only e4m3 bytes move
+        new = stored_copy(module, weight, bias)  # rounded where the weight is; only e4m3 bytes move
+    _move(new, device)
     object.__setattr__(module, _FP8_ATTR, (ident, new))
     return new
 
@@ -190,20 +192,73 @@ def _original(patcher: Any, key: str, current: torch.Tensor | None) -> torch.Ten
     return current if bk is None else bk.weight
 
 
-def _keep_originals_off_device(patcher: Any, *_: Any) -> None:
-    """ON_LOAD callback: the linears a stored copy stands in for stay on the offload device."""
+#: in an original linear's ``__dict__`` while its stored copy stands in: the device it was on
+#: before it was parked on the offload device, where it goes back when the copy steps out
+_HOME = "_nexfort_home"
+
+
+def _move(module: torch.nn.Module, device: Any) -> None:
+    """Every placement of an original linear or a stored copy goes through here."""
+    module.to(device)
+
+
+def _swapped(patcher: Any) -> list[tuple[torch.nn.Module, Fp8StoredLinear]]:
+    """(original, stored copy) for each of ``patcher``'s stored copies that is in the model now."""
     backup = getattr(patcher, "object_patches_backup", {})
+    pairs = []
     for key, new in patcher.object_patches.items():
         orig = backup.get(key)
-        if isinstance(new, Fp8StoredLinear) and isinstance(orig, torch.nn.Module):
-            orig.to(patcher.offload_device)
+        if not isinstance(new, Fp8StoredLinear) or not isinstance(orig, torch.nn.Module):
+            continue
+        try:
+            now = functools.reduce(getattr, key.split("."), patcher.model)
+        except AttributeError:
+            continue
+        if now is new:
+            pairs.append((orig, new))
+    return pairs
+
+
+def _park_originals(patcher: Any, *_: Any) -> None:
+    """ON_LOAD and ON_PRE_RUN callback: while the stored copies stand in, the originals they stand
+    in for wait on the offload device, and the copies are on the device of a fully loaded model.
+
+    ON_PRE_RUN (after ComfyUI's load, before every sampling) is the one that matters when the model
+    was already loaded by another patcher of it (the last prompt's, or an eager run): ComfyUI then
+    only swaps the object patches in and loads nothing, so the copies would stay where the node made
+    them (the offload device, moved at every call) and the bf16 originals on the GPU."""
+    pairs = _swapped(patcher)
+    offload = patcher.offload_device
+    for orig, _new in pairs:  # originals off first: the copies never sit beside them on the GPU
+        w = getattr(orig, "weight", None)
+        if isinstance(w, torch.Tensor) and w.device != torch.device(offload):
+            orig.__dict__[_HOME] = w.device
+        _move(orig, offload)
+    model = patcher.model
+    if pairs and not getattr(model, "model_lowvram", False) and getattr(model, "model_loaded_weight_memory", 0) > 0:
+        for _orig, new in pairs:  # a low-VRAM load placed (or streams) each layer itself
+            _move(new, model.device)
+
+
+def _bring_back_originals(patcher: Any, unpatch_all: bool = True, *_: Any) -> None:
+    """ON_DETACH callback: another patcher of the model takes over (``unpatch_all`` false: ComfyUI
+    keeps the model loaded and puts the original layers back in it next), so the copies go to the
+    offload device and the originals back where they were. A full unload (``unpatch_all``) has put
+    the originals back already and moved the whole model to the offload device."""
+    for orig, new in _swapped(patcher):
+        _move(new, patcher.offload_device)
+        home = orig.__dict__.pop(_HOME, None)
+        if home is not None and not unpatch_all:
+            _move(orig, home)
 
 
 def store_fp8_weights(patcher: Any) -> int:
     """Give ``patcher`` (a clone) object patches that swap each storable linear inside the diffusion
     model's block stacks for its e4m3 stored copy; returns how many. Already-swapped layers (another
     of our clones is loaded) are looked up in the shared object-patch backup, and weights a loaded
-    clone has patched (a LoRA) in ComfyUI's shared weight backup: the originals are the source."""
+    clone has patched (a LoRA) in ComfyUI's shared weight backup: the originals are the source.
+    Callbacks keep the originals off the GPU while the copies stand in, and put them back when
+    another patcher of the model takes over."""
     from comfy.patcher_extension import CallbacksMP
 
     dm = patcher.get_model_object("diffusion_model")
@@ -219,8 +274,10 @@ def store_fp8_weights(patcher: Any) -> int:
         patcher.add_object_patch(key, _stored_copy_of(orig, weight, bias, patcher.offload_device))
         n += 1
     if n:
-        patcher.remove_callbacks_with_key(CallbacksMP.ON_LOAD, WRAPPER_KEY)
-        patcher.add_callback_with_key(CallbacksMP.ON_LOAD, WRAPPER_KEY, _keep_originals_off_device)
+        for kind, fn in ((CallbacksMP.ON_LOAD, _park_originals), (CallbacksMP.ON_PRE_RUN, _park_originals),
+                         (CallbacksMP.ON_DETACH, _bring_back_originals)):
+            patcher.remove_callbacks_with_key(kind, WRAPPER_KEY)
+            patcher.add_callback_with_key(kind, WRAPPER_KEY, fn)
     return n
 
 
