@@ -98,21 +98,30 @@ def test_patch_protocol():
 def test_originals_parked_while_the_copies_run(patcher, comfy_inproc, monkeypatch):
     """Where the originals and the stored copies are, through ComfyUI's real load/sample flow:
     eager, compiled, eager, compiled on one model. The offload device is made distinct from the load
-    device (``cpu:0`` against ``cpu``: the same memory, told apart) and every placement is recorded.
-    The compiled clone loads after the eager patcher, so ComfyUI only swaps the object patches in and
-    loads nothing (no ON_LOAD): on a GPU the copies stayed on the CPU, moved at every call (0.45 it/s
-    for Flux-dev, BENCHMARKS.md fortieth session), and the bf16 originals stayed on the GPU. No layer
-    may run while parked on the offload device; each handover puts both sides where they belong."""
+    device (``cpu:0`` against ``cpu``: the same memory, told apart) and every ``Module.to`` (ComfyUI's
+    and ours) is recorded for the module and all below it. The compiled clone loads after the eager
+    patcher: with the model's weight-patch id ComfyUI only swapped the object patches in and loaded
+    nothing, so on a GPU the copies stayed on the CPU, moved at every call (Flux-dev at 0.45 it/s,
+    BENCHMARKS.md fortieth session), and the bf16 originals stayed on the GPU. No layer may run while
+    it is on the offload device; each handover puts both sides where they belong, and the clone's
+    own reloads (every sampling) move nothing."""
     mp = tm.tiny_flux(seed=4, depth=2, depth_single=1)
     load, off = torch.device("cpu"), torch.device("cpu", 0)
     mp.offload_device = off
     where: dict[int, torch.device] = {}
+    moves: list[int] = []
+    to = torch.nn.Module.to
 
-    def move(module, device):
-        where[id(module)] = torch.device(device)
-        module.to(device)
+    def recording_to(self, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            for m in self.modules():
+                if where.get(id(m), load) != device:
+                    moves.append(id(m))
+                where[id(m)] = device
+        return to(self, *args, **kwargs)
 
-    monkeypatch.setattr(patcher, "_move", move)
+    monkeypatch.setattr(torch.nn.Module, "to", recording_to)
     ran_parked: list[str] = []
 
     def watch(name):
@@ -129,10 +138,12 @@ def test_originals_parked_while_the_copies_run(patcher, comfy_inproc, monkeypatc
     ref = tm.sample(mp, h, w, 1, 2, 1.0, 20, seed=2)
     cfg = nexfort_engine.parse_options({"mode": "O2", "backend": "eager", "fp8_weights": True})
     compiled = patcher.compile_model_patcher(mp, cfg)
+    assert compiled.patches_uuid != mp.patches_uuid
+    assert patcher.compile_model_patcher(mp, cfg).patches_uuid == compiled.patches_uuid  # node run again
     copies = {k.removeprefix("diffusion_model."): v for k, v in compiled.object_patches.items()
               if isinstance(v, Fp8StoredLinear)}
     assert copies.keys() == originals.keys()
-    assert all(where[id(c)] == off for c in copies.values())  # made, then parked until the clone runs
+    assert all(where[id(c)] == off for c in copies.values())  # made, then parked until the clone loads
     for n, c in copies.items():
         c.register_forward_pre_hook(watch(n + " (copy)"))
 
@@ -142,6 +153,9 @@ def test_originals_parked_while_the_copies_run(patcher, comfy_inproc, monkeypatc
     for _ in range(2):
         out = tm.sample(compiled, h, w, 1, 2, 1.0, 20, seed=2)
         assert placed(originals) == {off} and placed(copies) == {load}
+        moves.clear()
+        assert torch.equal(tm.sample(compiled, h, w, 1, 2, 1.0, 20, seed=2), out)
+        assert not moves  # the clone reloading itself
         assert 0 < tm.rel_err(out, ref) < WEIGHT_ERR
         again = tm.sample(mp, h, w, 1, 2, 1.0, 20, seed=2)  # the eager patcher takes the model back
         assert placed(originals) == {load} and placed(copies) == {off}
