@@ -646,6 +646,11 @@ class CompiledModule(torch.nn.Module):
             from .fp8_attention import cudnn_supported
 
             fp8_attention_capable = cudnn_supported(example.device)
+        if self._nx_method == "forward":
+            self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
+        # a convolutional net compiled whole (a UNet; not its blocks under regional compilation)
+        whole_conv_net = not self._nx_regions and any(
+            isinstance(m, torch.nn.modules.conv._ConvNd) for m in self._orig_mod.modules())
         self._nx_settings = resolve(
             self._nx_config,
             cuda=cuda,
@@ -653,9 +658,13 @@ class CompiledModule(torch.nn.Module):
             fp16_accumulation=fp16_accumulation_pays(capability),
             fp8_pays=fp8_pays,
             fp8_attention_capable=bool(fp8_attention_capable),
+            autotune_pays=not whole_conv_net,
         )
-        if self._nx_method == "forward":
-            self._nx_regions = regions.select_regions(self._orig_mod, self._nx_config.regional)
+        if self._nx_settings.autotune_skipped:
+            counters.set_info(self._nx_label, autotune_skipped="convolutional UNet compiled whole")
+            log.info("nexfort: %s: O3's max-autotune left out (a convolutional UNet compiled whole: slower "
+                     "with it, and its cold compile takes many minutes); a mode string naming "
+                     "max-autotune keeps it", self._nx_label)
         # what Inductor compiles: under regional compilation only the blocks (a UNet's transformer
         # blocks have no convolutions; its convolutions then run eager, where channels-last
         # weights would only make cuDNN hand channels-last outputs to ATen's GroupNorm, which

@@ -48,6 +48,8 @@ class _Record:
     fp8: bool = False
     #: why auto fp8 (O3) left the linears in fp16/bf16 (fp8.pays_off), or ""
     fp8_skipped: str = ""
+    #: why the O3 preset's max-autotune was left out (settings.resolve), or ""
+    autotune_skipped: str = ""
     #: regional compilation: the block groups compiled once each (empty: the whole model)
     regions: list[str] = field(default_factory=list)
     #: dynamic shape: the image input's spatial sizes traced as multiples of this (shapes.fold_spatial)
@@ -126,6 +128,7 @@ class _Record:
             node_ids=list(self.node_ids),
             fp8=self.fp8,
             fp8_skipped=self.fp8_skipped,
+            autotune_skipped=self.autotune_skipped,
             regions=list(self.regions),
             spatial_multiple=self.spatial_multiple,
             group_norms_rewritten=self.group_norms_rewritten,

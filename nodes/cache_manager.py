@@ -114,6 +114,8 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", {m['trace_stand_ins']} F.linear traced through a stand-in"
         if m.get("fp8_skipped") and not m.get("fp8"):
             how += f", fp8 linears left off ({m['fp8_skipped']})"
+        if m.get("autotune_skipped"):
+            how += f", max-autotune left off ({m['autotune_skipped']})"
         lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "
                      f"hits={m['cache_hits']} ({how})")
         if phases := [f"{name} {m['compile_phases'][key]:.1f}s" for key, name in _PHASES

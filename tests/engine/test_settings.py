@@ -215,3 +215,43 @@ def test_pointwise_kernels_take_the_heuristics_block_size_unless_autotuning():
     plain, asked = S.resolve(plain_cfg, cuda=True), S.resolve(asked_cfg, cuda=True)
     assert asked.inductor["triton.autotune_pointwise"] is True
     assert asked.digest(asked_cfg) != plain.digest(plain_cfg)
+
+
+def test_o3_leaves_max_autotune_out_on_a_unet_compiled_whole():
+    """SDXL ran 6.5 % slower with max-autotune and its cold compile did not finish in 380 s (twice),
+    so the O3 preset leaves it out where it does not pay (``autotune_pays``: a convolutional UNet
+    compiled whole); a mode string that names it keeps it, and the cache key follows."""
+    o3 = parse_options({"mode": "O3"})
+    skipped = S.resolve(o3, cuda=True, autotune_pays=False)
+    assert skipped.autotune_skipped and not skipped.inductor.get("max_autotune")
+    without = parse_options({"mode": "max-optimize:benchmark:cudagraphs:low-precision:cache-all"})
+    assert skipped.inductor == S.resolve(without, cuda=True).inductor
+    kept = S.resolve(o3, cuda=True)
+    assert kept.inductor["max_autotune"] and not kept.autotune_skipped
+    assert skipped.digest(o3) != kept.digest(o3)
+    named = parse_options({"mode": "max-optimize:max-autotune:low-precision"})
+    assert S.resolve(named, cuda=True, autotune_pays=False).inductor["max_autotune"]
+    assert not S.resolve(o3, cuda=False, autotune_pays=False).autotune_skipped  # CPU: dropped anyway
+
+
+@pytest.mark.parametrize(("net", "pays"), [
+    (torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Flatten(), torch.nn.LazyLinear(8)), False),
+    (torch.nn.Sequential(torch.nn.Linear(16, 16)), True),
+])
+def test_compiled_module_asks_whether_autotune_pays(monkeypatch, net, pays):
+    import nexfort_engine
+    from nexfort_engine import compiler as compiler_mod
+
+    seen = {}
+    real = compiler_mod.resolve
+
+    def spy(config, **kw):
+        seen.update(kw)
+        return real(config, **kw)
+
+    monkeypatch.setattr(compiler_mod, "resolve", spy)
+    x = torch.randn(2, 4, 6, 6) if pays is False else torch.randn(2, 16)
+    net(x)  # the lazy linear's size
+    cm = nexfort_engine.compile(net, {"mode": "O3", "backend": "eager"}, cache_dir=None)
+    cm(x)
+    assert seen["autotune_pays"] is pays

@@ -19,7 +19,8 @@ def cache_manager(comfy_inproc):
 
 def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_path, fresh_stats):
     counters.set_info("UNetModel:aa", state="compiled", spatial_multiple=8, group_norms_rewritten=61,
-                      channels_last_weights=97, fp8=False, fp8_skipped="model width 1280 < 2048")
+                      channels_last_weights=97, fp8=False, fp8_skipped="model width 1280 < 2048",
+                      autotune_skipped="convolutional UNet compiled whole")
     counters.bump("UNetModel:aa", "compiles")
     counters.set_info("PixArt:bb", state="compiled", regions=["blocks[x28]"], fp8=True, rope_fused=4,
                       attention_fp8=2, fp8_stored_weights=13)
@@ -35,6 +36,7 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert "attentions in fp8" not in unet
     assert ", 13 fp8 GEMMs on the weights as stored (e4m3)" in pixart and "as stored" not in unet
     assert "fp8 linears left off (model width 1280 < 2048)" in unet and "left off" not in pixart
+    assert ", max-autotune left off (convolutional UNet compiled whole)" in unet
     assert "recompile: 0/0: tensor 'x' rank mismatch" in text
     assert "background compile" not in text  # the option was off
     counters.set_info("UNetModel:aa", background="done in 147.3s")
