@@ -39,6 +39,15 @@ def test_quantize_per_tensor_against_torch():
     assert torch.equal(s2, s) and q2.float().abs().max() == E4M3_MAX
     zq, zs = quantize_per_tensor(torch.zeros(16, 16))
     assert zs == 1 and not zq.float().any()
+    keep = w.clone()
+    quantize_per_tensor(w)
+    assert torch.equal(w, keep)  # a float32 weight is not divided in place
+    for dtype in (torch.bfloat16, torch.float16):  # the bits of the plain fp32 formula
+        wd = w.to(dtype)
+        qd, sd = quantize_per_tensor(wd)
+        ref_s = wd.float().abs().amax() * HEADROOM / E4M3_MAX
+        assert torch.equal(sd, ref_s)
+        assert torch.equal(qd.view(torch.uint8), (wd.float() / ref_s).clamp(-448, 448).to(E4M3).view(torch.uint8))
 
 
 def test_layer_against_its_twin():
