@@ -22,7 +22,8 @@ FORCE=0
 [ "${1:-}" = "--force" ] && FORCE=1
 
 # Wheels pinned to what the host venv runs (ComfyUI 0.3.75 works with these).
-WHEELS=(torchsde==0.2.6 trampoline==0.1.2 av==18.1.0)
+# and the pack's own requirements.txt (what ComfyUI-Manager installs with it): cuDNN's fp8 attention
+WHEELS=(torchsde==0.2.6 trampoline==0.1.2 av==18.1.0 nvidia-cudnn-frontend==1.20.0)
 # pure-Python wheels for running the gpu-marked tests there (.whltest/, carried only for that)
 TEST_WHEELS=(pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1)
 
@@ -55,7 +56,7 @@ echo "ComfyUI tree: $TAR ($(du -h "$TAR" | cut -f1))"
 
 # 2. wheels for the device's Python 3.12 (x86_64 manylinux); one version of each
 for spec in "${WHEELS[@]}"; do
-    pkg="${spec%%==*}"; ver="${spec##*==}"
+    pkg="${spec%%==*}"; ver="${spec##*==}"; pkg="${pkg//-/_}"  # wheel file names use underscores
     if [ "$FORCE" = 0 ] && ls .whl/ 2>/dev/null | grep -qiE "^${pkg}-${ver}-"; then
         continue
     fi
