@@ -63,7 +63,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # decode's first call +0.8-4.6 s) and pays on SD2.1 768² under dynamic shape (79.3 vs 74.6 it/s
     # in one call; SDXL and its VAE the same either way; BENCHMARKS.md, runs 135-136 and 143)
     "O2": ("max-optimize", "benchmark", "cudagraphs", "cache-all"),
-    # fastest: + autotuning and reduced-precision math (slow first compile, then cached)
+    # fastest: + autotuning and reduced-precision math (slow first compile, then cached); its
+    # autotuning is left out on a convolutional UNet compiled whole (settings.resolve: SDXL was slower)
     "O3": ("max-optimize", "max-autotune", "benchmark", "cudagraphs", "low-precision", "cache-all"),
 }
 

@@ -29,8 +29,9 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             options=MODES,
             default="O2",
             tooltip="Compile mode. O1: fast compile. O2 (recommended): accurate, dynamic resolution, LoRA-safe. "
-            "O3: lossy, for wide DiTs such as Flux (autotuning, CUDA graphs, fp8/reduced-precision math; "
-            "on SDXL it measured slower than O2). Flags can be combined with ':'; "
+            "O3: lowest precision, fastest: fp8 linears on Ada/Hopper for wide DiTs such as Flux (lossy), "
+            "autotuning (left out on a UNet compiled whole such as SDXL, where it was slower), CUDA graphs, "
+            "reduced-precision math. Flags can be combined with ':'; "
             "for any other combination put {\"mode\": \"...\"} in options.",
         ),
         io.Combo.Input(
