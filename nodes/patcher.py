@@ -180,8 +180,7 @@ def _stored_copy_of(module: torch.nn.Module, weight: torch.Tensor, bias: torch.T
     if made is not None and made[0] == ident:
         return made[1]
     with torch.no_grad():
-        new = stored_copy(module, weight, bias)  # rounded where the weight is; only e4m3 bytes move
-    _move(new, device)
+        new = stored_copy(module, weight, bias).to(device)  # rounded where the weight is; only e4m3 bytes move
     object.__setattr__(module, _FP8_ATTR, (ident, new))
     return new
 
@@ -197,15 +196,10 @@ def _original(patcher: Any, key: str, current: torch.Tensor | None) -> torch.Ten
 _FP8_UUID_NS = uuid.UUID("9b3f3c1e-5c0a-4d4e-9a51-6f8a2f0c7e21")
 
 
-def _move(module: torch.nn.Module, device: Any) -> None:
-    """Every placement of an original linear or a stored copy that nexfort makes goes through here."""
-    module.to(device)
-
-
-def _swapped(patcher: Any) -> list[tuple[torch.nn.Module, Fp8StoredLinear]]:
-    """(original, stored copy) for each of ``patcher``'s stored copies that is in the model now."""
+def _stood_in_for(patcher: Any) -> list[torch.nn.Module]:
+    """The original linears whose stored copies from ``patcher`` are in the model now."""
     backup = getattr(patcher, "object_patches_backup", {})
-    pairs = []
+    originals = []
     for key, new in patcher.object_patches.items():
         orig = backup.get(key)
         if not isinstance(new, Fp8StoredLinear) or not isinstance(orig, torch.nn.Module):
@@ -215,21 +209,16 @@ def _swapped(patcher: Any) -> list[tuple[torch.nn.Module, Fp8StoredLinear]]:
         except AttributeError:
             continue
         if now is new:
-            pairs.append((orig, new))
-    return pairs
+            originals.append(orig)
+    return originals
 
 
 def _park_originals(patcher: Any, *_: Any) -> None:
     """ON_LOAD callback: while the stored copies stand in, the originals they stand in for wait on
-    the offload device (they are out of the model, so ComfyUI's load does not move them), and the
-    copies are on the device of a fully loaded model (ComfyUI's load put them there)."""
-    pairs = _swapped(patcher)
-    for orig, _new in pairs:  # originals off first: the copies never sit beside them on the GPU
-        _move(orig, patcher.offload_device)
-    model = patcher.model
-    if pairs and not getattr(model, "model_lowvram", False) and getattr(model, "model_loaded_weight_memory", 0) > 0:
-        for _orig, new in pairs:  # a low-VRAM load placed (or streams) each layer itself
-            _move(new, model.device)
+    the offload device. They are out of the model, so ComfyUI's load, which has just placed the
+    copies, does not move them."""
+    for orig in _stood_in_for(patcher):
+        orig.to(patcher.offload_device)
 
 
 def store_fp8_weights(patcher: Any) -> int:
