@@ -88,3 +88,20 @@ def cache():
     CACHE.stats.update(dict.fromkeys(CACHE.stats, 0))
     yield CACHE
     clear_cache()
+
+
+@pytest.fixture
+def resolve_kwargs(monkeypatch) -> dict:
+    """What the compiled module passes to ``settings.resolve`` about its model and device (the
+    keyword arguments of its last call), recorded while the real function runs."""
+    from nexfort_engine import compiler
+
+    seen: dict = {}
+    real = compiler.resolve
+
+    def spy(config, **kw):
+        seen.update(kw)
+        return real(config, **kw)
+
+    monkeypatch.setattr(compiler, "resolve", spy)
+    return seen

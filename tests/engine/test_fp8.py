@@ -423,20 +423,12 @@ def test_model_width_is_the_weighted_median_linear_width():
     assert not fp8_mod.pays_off(Net(32, 16), min_width=64)
 
 
-def test_compiled_module_asks_whether_fp8_pays_for_its_model(monkeypatch, fresh_stats):
-    seen = {}
-    real = compiler_mod.resolve
-
-    def spy(config, **kw):
-        seen.update(kw)
-        return real(config, **kw)
-
-    monkeypatch.setattr(compiler_mod, "resolve", spy)
+def test_compiled_module_asks_whether_fp8_pays_for_its_model(monkeypatch, fresh_stats, resolve_kwargs):
     monkeypatch.setattr(compiler_mod, "fp8_supported", lambda device: True)  # as on an fp8 GPU
     net = torch.nn.Sequential(torch.nn.Linear(16, 16))
     cm = nexfort_engine.compile(net, {"mode": "O3", "backend": "eager"}, cache_dir=None)
     cm(torch.randn(2, 3, 16))
-    assert seen["fp8_pays"] is False  # 16 < MIN_AUTO_WIDTH
+    assert resolve_kwargs["fp8_pays"] is False  # 16 < MIN_AUTO_WIDTH
     # the reason is published for the Cache Manager's report
     assert fresh_stats()["models"][cm.label]["fp8_skipped"] == "model width 16 < 2048"
 

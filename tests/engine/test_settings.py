@@ -238,20 +238,11 @@ def test_o3_leaves_max_autotune_out_on_a_unet_compiled_whole():
     (torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Flatten(), torch.nn.LazyLinear(8)), False),
     (torch.nn.Sequential(torch.nn.Linear(16, 16)), True),
 ])
-def test_compiled_module_asks_whether_autotune_pays(monkeypatch, net, pays):
+def test_compiled_module_asks_whether_autotune_pays(resolve_kwargs, net, pays):
     import nexfort_engine
-    from nexfort_engine import compiler as compiler_mod
 
-    seen = {}
-    real = compiler_mod.resolve
-
-    def spy(config, **kw):
-        seen.update(kw)
-        return real(config, **kw)
-
-    monkeypatch.setattr(compiler_mod, "resolve", spy)
     x = torch.randn(2, 4, 6, 6) if pays is False else torch.randn(2, 16)
     net(x)  # the lazy linear's size
     cm = nexfort_engine.compile(net, {"mode": "O3", "backend": "eager"}, cache_dir=None)
     cm(x)
-    assert seen["autotune_pays"] is pays
+    assert resolve_kwargs["autotune_pays"] is pays
