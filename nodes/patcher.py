@@ -394,6 +394,14 @@ class _CompiledVAEModel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner(*args, **kwargs)
 
+    # the VAE's own keys: ComfyUI's VAE.get_sd() (VAESave, CheckpointSave) saves and a loader reads
+    # ``first_stage_model``'s state dict, which would otherwise carry an ``inner.`` prefix
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.load_state_dict(*args, **kwargs)
+
 
 def compile_vae(vae: Any, config: CompileConfig, node_id: str | None = None) -> Any:
     """Shallow-copy ``vae`` (a comfy.sd.VAE) with a compiled decode/encode; the input is untouched.

@@ -207,6 +207,30 @@ def test_compile_vae_decode_encode_equal_eager(patcher, vae, fresh_stats):
     assert patcher.compile_vae(cv, cfg).first_stage_model.inner is vae.first_stage_model
 
 
+def test_a_compiled_vae_saves_and_loads_the_vaes_own_keys(patcher, vae, tmp_path):
+    """ComfyUI's VAESave / CheckpointSave write ``VAE.get_sd()``: the compiled VAE's is the
+    original's, key for key, and a VAE loaded from it decodes as the original does."""
+    import comfy.sd
+    import comfy.utils
+
+    cv = patcher.compile_vae(vae, nexfort_engine.parse_options(EAGER))
+    sd = cv.get_sd()
+    ref = vae.get_sd()
+    assert list(sd) == list(ref) and not any(k.startswith("inner.") for k in sd)
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+    path = tmp_path / "vae.safetensors"
+    comfy.utils.save_torch_file(sd, str(path))
+    loaded = comfy.sd.VAE(sd=comfy.utils.load_torch_file(str(path)))
+    lat = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded.decode(lat), vae.decode(lat))
+    # and back into the proxy: the inner model's parameters take the values
+    before = {k: v.clone() for k, v in ref.items()}
+    missing, unexpected = cv.first_stage_model.load_state_dict({k: torch.zeros_like(v) for k, v in ref.items()})
+    assert not missing and not unexpected
+    assert all(not v.any() for v in vae.first_stage_model.state_dict().values())
+    vae.first_stage_model.load_state_dict(before)
+
+
 def test_a_dynamic_vram_vae_runs_uncompiled_with_a_warning(patcher, vae, fresh_stats, caplog):
     import copy
 
