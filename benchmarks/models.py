@@ -250,8 +250,13 @@ def init_weights(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return module
 
 
-def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, manual_cast: Any, seed: int = 0) -> Any:
-    """A ``comfy.model_patcher.ModelPatcher`` over a random-weight model built on ``device``."""
+def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, manual_cast: Any, seed: int = 0,
+          weights_device: torch.device | None = None) -> Any:
+    """A ``comfy.model_patcher.ModelPatcher`` over a random-weight model that loads on ``device``,
+    its weights built on ``weights_device`` (default ``device``; the CPU: as ComfyUI's checkpoint
+    loader leaves a model, the patcher then offloads there and its first load moves them)."""
+    load_device = device
+    device = weights_device if weights_device is not None else device
     import comfy.model_patcher
     import comfy.supported_models
 
@@ -262,7 +267,7 @@ def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, manual_cast
     model = model.to(device)  # a few parameters are created with plain torch.randn on the CPU
     model.eval()
     init_weights(model.diffusion_model, seed)
-    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
+    return comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=device)
 
 
 def build_fp32_twin(spec: ModelSpec, device: torch.device, source: Any) -> Any:

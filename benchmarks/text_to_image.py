@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the ModelPatcher's offload device: 'load' (the GPU: the random weights are built "
                         "there and never move) or 'cpu' (ComfyUI's default without --highvram; what "
                         "\"fp8_weights\" needs to take the bf16 originals off the GPU)")
+    p.add_argument("--weights-device", choices=["load", "cpu"], default="load",
+                   help="where the random weights are built: 'load' (the GPU) or 'cpu' (as ComfyUI's checkpoint "
+                        "loader leaves a model: the first sampling moves them to the GPU; needs --offload-device "
+                        "cpu). With 'cpu', \"fp8_weights\" rounds its copies on the CPU, as in a real ComfyUI")
     p.add_argument("--run_multiple_resolutions", "--run-multiple-resolutions", dest="run_multiple_resolutions",
                    type=int, nargs="?", const=1, default=0,
                    help="sweep 4 resolutions x 2 step counts x 2 prompt lengths and report recompiles")
@@ -110,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.compiler == "none" and args.warm_cache_check:
         p.error("--warm-cache-check needs --compiler comfy or nexfort")
+    if args.weights_device == "cpu" and args.offload_device != "cpu":
+        p.error("--weights-device cpu needs --offload-device cpu (ComfyUI offloads a model to where it loaded it)")
     return args
 
 
@@ -489,6 +495,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(dtype).replace("torch.", ""),
         "manual_cast": str(manual_cast).replace("torch.", "") if manual_cast is not None else None,
         "offload_device": args.offload_device,
+        "weights_device": args.weights_device,
         "detected_as": None if args.tiny else models.check_detection(spec),
         "cache_dir": str(cache_dir),
         "cache_dir_was_empty": cache_was_empty,
@@ -513,7 +520,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         prewarm.start(os.environ["NEXFORT_CACHE_DIR"])
 
     t0 = time.perf_counter()
-    mp = models.build(spec, device, dtype, manual_cast, seed=args.seed)
+    weights_device = torch.device("cpu") if args.weights_device == "cpu" else device
+    mp = models.build(spec, device, dtype, manual_cast, seed=args.seed, weights_device=weights_device)
     if args.offload_device == "cpu":
         mp.offload_device = torch.device("cpu")
     metrics.sync(device)
@@ -554,7 +562,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if not args.warm_child:
         result.update(runner.count_flops(mp, height, width))
 
+    # the compile node's own run (with "fp8_weights": rounding the e4m3 copies), before any sampling
+    t_node = time.perf_counter()
     target = apply_compiler(mp, args.compiler, args.compiler_config)
+    metrics.sync(device)
+    result["compile_node_s"] = round(time.perf_counter() - t_node, 4)
     decoder = Decoder(args, mp, device) if args.vae_decode else None
     graphs0 = metrics.dynamo_unique_graphs()
     if args.compiler == "nexfort":
@@ -721,7 +733,7 @@ def warm_cache_check(args: argparse.Namespace) -> tuple[float | None, dict]:
         if proc.returncode != 0 or not out.is_file():
             return None, {"rc": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
         child = json.loads(out.read_text())["runs"][0]
-    keep = ("warmup_s", "compile_phases_s", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses",
+    keep = ("warmup_s", "compile_node_s", "compile_phases_s", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses",
             "cache_dir_was_empty", "prewarm_at_first_call")
     return child.get("warmup_s"), {k: child.get(k) for k in keep}
 

@@ -65,7 +65,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     return {
         "none": _bench(tmp, "none", "--compiler", "none", "--profile"),
         "nexfort": _bench(tmp, "nexfort", "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}',
-                          "--cfg", "2", "--profile-host", "--vae-decode"),
+                          "--cfg", "2", "--profile-host", "--vae-decode", "--offload-device", "cpu",
+                          "--weights-device", "cpu"),
         "_dir": {"path": str(tmp)},
     }
 
@@ -104,6 +105,17 @@ def test_nexfort_run(results):
     # --vae-decode: the first image is the first sampling and its decode (Flux's 16 latent channels)
     assert r["vae_first_decode_s"] > 0 and r["vae_decode_ms"] > 0
     assert abs(r["first_image_s"] - (r["warmup_s"] + r["vae_first_decode_s"])) < 1e-6
+    # the compile node's own run is timed apart from the first sampling
+    assert r["weights_device"] == "cpu" and r["offload_device"] == "cpu"
+    assert 0 <= r["compile_node_s"] < r["warmup_s"], (r["compile_node_s"], r["warmup_s"])
+    assert results["none"]["weights_device"] == "load" and results["none"]["compile_node_s"] < 0.01
+
+
+def test_weights_on_the_cpu_need_the_cpu_as_offload_device():
+    tool = _bench_module("text_to_image")
+    assert tool.parse_args(["--weights-device", "cpu", "--offload-device", "cpu"]).weights_device == "cpu"
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--weights-device", "cpu"])
 
 
 def test_report_merges_runs(results, tmp_path):
