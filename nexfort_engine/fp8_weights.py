@@ -15,8 +15,12 @@ module and put it back) and keeps the original off the device meanwhile.
 The class speaks the host's weight-patch protocol by duck typing (the engine imports no host):
 ``comfy_cast_weights``, ``weight_function`` / ``bias_function`` (functions applied to the cast
 weight and bias, as a low-VRAM load or a hook sets them), ``convert_weight`` (the stored weight as
-full precision, what a LoRA is added to) and ``set_weight`` (a patched full-precision weight rounded
-back to e4m3 with the same scale). They have the meaning ComfyUI's ``scaled_fp8`` ops give them.
+full precision, what a LoRA is added to, computed in float32) and ``set_weight`` (a patched
+full-precision weight rounded back to e4m3 with the same scale). They have the meaning ComfyUI's
+``scaled_fp8`` ops give them. What a weight function receives depends on the host, which says so
+through :attr:`Fp8StoredLinear.dequantize_for_patches`: ComfyUI 0.3.75's low-VRAM patch converts
+the stored values itself, patches, and rounds back (the layer then scales); newer ComfyUI hands
+weight functions the dequantized weight, as its own quantized layers do.
 
 Why it is lossy, and how much: one rounding of each weight to e4m3 with a per-tensor scale
 (relative error about 2-4 % per element; the tiny Flux's image moved 0.023 relative L2). It is an
@@ -81,6 +85,9 @@ class Fp8StoredLinear(torch.nn.Module):
     comfy_cast_weights = True
     weight_function: list[Any] = []
     bias_function: list[Any] = []
+    #: whether ``weight_function`` receives the dequantized weight (newer ComfyUI) rather than the
+    #: stored values cast up, which the function converts and rounds back itself (ComfyUI 0.3.75)
+    dequantize_for_patches: bool = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -101,9 +108,15 @@ class Fp8StoredLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the cast, then the scale: the form passes/fp8_stored.py reads back to the stored tensor
         w = self.weight.to(device=x.device, dtype=x.dtype)
-        for f in self.weight_function:
-            w = f(w)
-        w = w * self.scale_weight.to(device=x.device, dtype=x.dtype)
+        scale = self.scale_weight.to(device=x.device, dtype=x.dtype)
+        if self.weight_function and self.dequantize_for_patches:
+            w = w * scale
+            for f in self.weight_function:
+                w = f(w)
+        else:
+            for f in self.weight_function:
+                w = f(w)
+            w = w * scale
         b = self.bias
         if b is not None:
             b = b.to(device=x.device, dtype=x.dtype)
@@ -113,12 +126,10 @@ class Fp8StoredLinear(torch.nn.Module):
 
     def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **_: Any) -> torch.Tensor:
         """The host's patch protocol: the stored values ``weight`` (cast up) as the full-precision
-        weight a patch is added to."""
-        scale = self.scale_weight.to(device=weight.device)
-        if inplace:
-            weight *= scale.to(weight.dtype)
-            return weight
-        return weight.float() * scale
+        weight a patch is added to, in float32 whatever ``weight``'s dtype (newer ComfyUI patches in
+        float16 on a GPU, where a small weight's scale, its maximum over 224, is subnormal). A new
+        tensor even when ``inplace`` is asked: the host takes the returned one."""
+        return weight.float() * self.scale_weight.to(device=weight.device)
 
     def set_weight(self, weight: torch.Tensor, inplace_update: bool = False, seed: Any = None,
                    return_weight: bool = False, **_: Any) -> torch.Tensor | None:

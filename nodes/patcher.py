@@ -181,8 +181,34 @@ def _stored_copy_of(module: torch.nn.Module, weight: torch.Tensor, bias: torch.T
         return made[1]
     with torch.no_grad():
         new = stored_copy(module, weight, bias).to(device)  # rounded where the weight is; only e4m3 bytes move
+    new.dequantize_for_patches = _patches_take_dequantized_weights()
     object.__setattr__(module, _FP8_ATTR, (ident, new))
     return new
+
+
+@functools.cache
+def _patches_take_dequantized_weights() -> bool:
+    """Whether this ComfyUI's low-VRAM weight patch adds a LoRA to the weight it is handed as it is
+    (newer ComfyUI: its quantized layers hand it the dequantized weight) rather than converting it
+    with the layer's ``convert_weight`` first and rounding back with ``set_weight`` (0.3.75). Asked
+    of ComfyUI's own ``LowVramPatch`` with an empty patch list: does it call the convert function?"""
+    import comfy.model_patcher
+
+    converted: list[bool] = []
+
+    def convert(weight: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        converted.append(True)
+        return weight
+
+    def set_back(weight: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        return weight
+
+    try:
+        comfy.model_patcher.LowVramPatch("w", {"w": []}, convert, set_back)(torch.zeros(16, 16))
+    except Exception as e:  # noqa: BLE001 - a host whose patch looks otherwise: its newer protocol
+        log.debug("nexfort: ComfyUI's LowVramPatch probe failed (%s): weight functions get dequantized weights", e)
+        return True
+    return not converted
 
 
 def _original(patcher: Any, key: str, current: torch.Tensor | None) -> torch.Tensor | None:

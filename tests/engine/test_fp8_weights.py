@@ -91,8 +91,13 @@ def test_patch_protocol():
     layer = stored_copy(lin)
     full = layer.convert_weight(layer.weight.float())
     assert torch.equal(full, layer.dequantized())
-    inplace = layer.weight.float()
-    assert layer.convert_weight(inplace, inplace=True) is inplace and torch.equal(inplace, full)
+    assert torch.equal(layer.convert_weight(layer.weight.float(), inplace=True), full)  # the returned tensor counts
+    # float32 whatever the host casts to (newer ComfyUI patches in float16 on a GPU): a weight whose
+    # scale is subnormal in float16 keeps its precision
+    small = stored_copy(torch.nn.Linear(32, 32).requires_grad_(False).apply(lambda m: m.weight.mul_(0.01)))
+    assert small.scale_weight < torch.finfo(torch.float16).smallest_normal
+    conv = small.convert_weight(small.weight.half(), inplace=True)
+    assert conv.dtype == torch.float32 and torch.equal(conv, small.dequantized())
     patched = full + 0.01
     q = layer.set_weight(patched, return_weight=True)
     assert q.dtype == E4M3 and torch.equal(q, (patched / layer.scale_weight).clamp(-448, 448).to(E4M3))
@@ -101,6 +106,60 @@ def test_patch_protocol():
     assert layer.weight.data_ptr() == ptr and torch.equal(layer.weight, q)
     layer.set_weight(full)
     assert layer.weight.data_ptr() != ptr and torch.equal(layer.dequantized(), full)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dequantized", [False, True], ids=["convert-in-patch", "dequantized-in"])
+def test_weight_functions_get_what_the_host_expects(dequantized):
+    """A low-VRAM load adds the LoRA through ``weight_function``. ComfyUI 0.3.75's patch converts
+    the stored values cast up, patches and rounds back (the layer scales after); newer ComfyUI's
+    adds the patch to what it is given, which must then be the dequantized weight. Both against
+    ``F.linear`` with the dequantized weight plus the patch (rounded to e4m3 where the host rounds)."""
+    gen = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(32, 48)
+    torch.nn.init.normal_(lin.weight, std=0.05, generator=gen)
+    layer = stored_copy(lin)
+    layer.dequantize_for_patches = dequantized
+    delta = torch.randn(48, 32, generator=gen) * 0.02
+
+    def old_host_patch(w):  # ComfyUI 0.3.75's LowVramPatch with the layer's convert/set functions
+        return layer.set_weight(layer.convert_weight(w) + delta, return_weight=True).to(w.dtype)
+
+    def new_host_patch(w):  # newer ComfyUI's: the patch on what it is given
+        return w + delta
+
+    layer.weight_function = [new_host_patch if dequantized else old_host_patch]
+    x = torch.randn(2, 5, 32, generator=gen)
+    patched = layer.dequantized() + delta
+    want = patched if dequantized else quantize_per_tensor(patched, layer.scale_weight)[0].float() * layer.scale_weight
+    assert torch.allclose(layer(x), F.linear(x, want, lin.bias), rtol=1e-5, atol=1e-6)
+    layer.weight_function = []
+    assert torch.equal(layer(x), F.linear(x, layer.dequantized(), lin.bias))  # no patch: the stored form
+
+
+@torch.no_grad()
+def test_low_vram_lora_through_this_comfyuis_patch(patcher, comfy_inproc):
+    """The running ComfyUI's own low-VRAM patch (``LowVramPatch`` with the layer's convert/set
+    functions, as its partial load builds it) on a stored copy made by the node layer: the layer
+    multiplies by the original weight plus the LoRA, within one e4m3 rounding of the patched weight."""
+    import comfy.model_patcher
+
+    gen = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(64, 64)
+    torch.nn.init.normal_(lin.weight, std=0.05, generator=gen)
+    layer = patcher._stored_copy_of(lin, lin.weight, lin.bias, torch.device("cpu"))
+    key = "m.weight"
+    delta = torch.randn(64, 64, generator=gen) * 0.02
+    patch = comfy.model_patcher.LowVramPatch(key, {key: [(1.0, (delta,), 1.0, None, None)]},
+                                             layer.convert_weight, layer.set_weight)
+    layer.weight_function = [patch]
+    try:
+        x = torch.randn(2, 5, 64, generator=gen)
+        want = F.linear(x, lin.weight + delta, lin.bias)
+        base = F.linear(x, lin.weight, lin.bias)
+        assert tm.rel_err(layer(x), want) < 0.05 < tm.rel_err(base, want)
+    finally:
+        layer.weight_function = []
 
 
 @torch.no_grad()
