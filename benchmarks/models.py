@@ -250,6 +250,20 @@ def init_weights(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return module
 
 
+def host_unet_config(spec: ModelSpec) -> dict[str, Any]:
+    """``spec.unet_config`` for the running ComfyUI: newer ones' ``FluxParams`` also require
+    ``txt_ids_dims``, which their detection sets to ``[]`` for Flux.1 (0.3.75 has no such field)."""
+    import dataclasses
+
+    config = dict(spec.unet_config)
+    if config.get("image_model") == "flux":
+        import comfy.ldm.flux.model
+
+        if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
+            config.setdefault("txt_ids_dims", [])
+    return config
+
+
 def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, manual_cast: Any, seed: int = 0,
           weights_device: torch.device | None = None) -> Any:
     """A ``comfy.model_patcher.ModelPatcher`` over a random-weight model that loads on ``device``,
@@ -261,7 +275,7 @@ def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, manual_cast
     import comfy.supported_models
 
     config_cls = getattr(comfy.supported_models, spec.config_class)
-    model_config = config_cls(dict(spec.unet_config))
+    model_config = config_cls(host_unet_config(spec))
     model_config.set_inference_dtype(dtype, manual_cast)
     model = model_config.get_model(dict(spec.detect_state_dict), "", device=device)
     model = model.to(device)  # a few parameters are created with plain torch.randn on the CPU
@@ -276,7 +290,7 @@ def build_fp32_twin(spec: ModelSpec, device: torch.device, source: Any) -> Any:
     import comfy.supported_models
 
     config_cls = getattr(comfy.supported_models, spec.config_class)
-    model_config = config_cls(dict(spec.unet_config))
+    model_config = config_cls(host_unet_config(spec))
     model_config.set_inference_dtype(torch.float32, None)
     model = model_config.get_model(dict(spec.detect_state_dict), "", device=device).to(device).eval()
     src = source.model.diffusion_model.state_dict()

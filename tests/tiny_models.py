@@ -160,6 +160,19 @@ _FLUX_TINY_CONFIG: dict[str, Any] = {
 }
 
 
+def _flux_config(**overrides: Any) -> dict[str, Any]:
+    """The tiny Flux's ``unet_config`` for the running ComfyUI: newer ones' ``FluxParams`` also
+    require ``txt_ids_dims``, which their detection sets to ``[]`` for Flux.1."""
+    import dataclasses
+
+    import comfy.ldm.flux.model
+
+    config = {**_FLUX_TINY_CONFIG, **overrides}
+    if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
+        config.setdefault("txt_ids_dims", [])
+    return config
+
+
 def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1, weight_dtype: torch.dtype | None = None,
               scaled_fp8: bool = False) -> Any:
     """Flux DiT: ``depth`` (1) double + ``depth_single`` (1) single blocks, hidden 64, 2 heads, patch 2.
@@ -170,7 +183,7 @@ def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1, weight_dtype
     boot()
     import comfy.supported_models
 
-    unet_config = {**_FLUX_TINY_CONFIG, "depth": depth, "depth_single_blocks": depth_single}
+    unet_config = _flux_config(depth=depth, depth_single_blocks=depth_single)
     model_config = comfy.supported_models.Flux(unet_config)
     if weight_dtype is not None:
         model_config.set_inference_dtype(weight_dtype, torch.bfloat16)
@@ -199,7 +212,7 @@ def tiny_flux_quantized(seed: int = 0) -> Any:
             quantized[f"{layer}.weight_scale"] = scale.reshape(())
         else:
             quantized[k] = v
-    model_config = comfy.supported_models.Flux(dict(_FLUX_TINY_CONFIG))
+    model_config = comfy.supported_models.Flux(_flux_config())
     model_config.layer_quant_config = layers
     model_config.set_inference_dtype(torch.float32, torch.bfloat16)
     model = model_config.get_model({})

@@ -156,8 +156,11 @@ def test_scaled_fp8_linears_compile_once_over_resolutions(patcher, comfy_inproc,
     token count is a guard, and resolutions crossing it compiled again (3 graphs over these four).
     The glue has the traced calls scale the weight always: one graph, equal to eager (scales of 0.5:
     exact in bf16 either way), and eager calls keep ComfyUI's own forward."""
+    import comfy.ops
     import torch
 
+    if not hasattr(comfy.ops, "scaled_fp8_ops"):  # newer ComfyUI loads such checkpoints as QuantizedTensor
+        pytest.skip("this ComfyUI has no scaled_fp8 ops (test_fp8_stored covers its mixed-precision linears)")
     mp = tm.tiny_flux(seed=15, weight_dtype=torch.float8_e4m3fn, scaled_fp8=True)
     linears = [m for m in mp.model.diffusion_model.modules() if getattr(m, "scale_weight", None) is not None]
     assert len(linears) > 10
