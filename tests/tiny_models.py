@@ -213,7 +213,16 @@ def tiny_flux_quantized(seed: int = 0) -> Any:
         else:
             quantized[k] = v
     model_config = comfy.supported_models.Flux(_flux_config())
-    model_config.layer_quant_config = layers
+    if hasattr(model_config, "quant_config"):  # newer ComfyUI: each layer's format in the state dict
+        import json
+
+        import comfy.utils
+
+        for layer, conf in layers.items():
+            quantized[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+        model_config.quant_config = comfy.utils.detect_layer_quantization(quantized, "")
+    else:
+        model_config.layer_quant_config = layers
     model_config.set_inference_dtype(torch.float32, torch.bfloat16)
     model = model_config.get_model({})
     missing, unexpected = model.diffusion_model.load_state_dict(quantized, strict=False)

@@ -126,14 +126,31 @@ def environment_fingerprint(device: str = "cpu") -> dict[str, str]:
 
 
 def structure_digest(module: Any) -> str:
-    """Hash of a module's class, architecture and parameter/buffer names, shapes and dtypes."""
+    """Hash of a module's class, architecture and parameter/buffer names, shapes and dtypes; for a
+    tensor subclass also its class, layout and stored dtype (a host's quantized weights report the
+    original dtype: an fp8 and an nvfp4 checkpoint of one model would otherwise share a key)."""
     h = hashlib.sha256()
     cls = type(module)
     h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
     h.update(repr(module).encode())
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}{_subclass_desc(t)}".encode())
     return h.hexdigest()[:16]
+
+
+def _subclass_desc(t: Any) -> str:
+    """``""`` for a plain tensor (the digest of plain models is what it always was), else the
+    subclass and, where it has them, its layout class and stored data's dtype (duck-typed: ComfyUI's
+    ``QuantizedTensor`` keeps ``_layout_cls`` and ``_qdata``)."""
+    import torch
+
+    kind = type(t)
+    if kind in (torch.Tensor, torch.nn.Parameter):
+        return ""
+    layout = getattr(t, "_layout_cls", None)
+    qdata = getattr(t, "_qdata", None)
+    return (f":{kind.__module__}.{kind.__qualname__}:{getattr(layout, '__qualname__', layout)}"
+            f":{getattr(qdata, 'dtype', None)}")
 
 
 def entry_key(structure: str, options_digest: str, env: dict[str, str]) -> str:

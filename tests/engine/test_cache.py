@@ -447,3 +447,40 @@ def test_cli_needs_a_dir(tmp_path):
     r = subprocess.run([sys.executable, "-m", "nexfort_engine.cache", "ls"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 2 and "NEXFORT_CACHE_DIR" in r.stderr
+
+
+def test_structure_digest_tells_quantized_layouts_apart():
+    """A host's quantized weights (ComfyUI's ``QuantizedTensor``) report the original dtype: the
+    digest also reads the subclass, its layout class and its stored dtype, so an fp8 and an nvfp4
+    checkpoint of one model get different cache entries. Plain models keep their old digest."""
+    from nexfort_engine.cache.store import structure_digest
+
+    class Quantized(torch.Tensor):  # the attributes ComfyUI's QuantizedTensor keeps
+        pass
+
+    class Fp8Layout:
+        pass
+
+    class Nvfp4Layout:
+        pass
+
+    def model(layout=None, stored=torch.float8_e4m3fn):
+        lin = torch.nn.Linear(16, 16, dtype=torch.bfloat16)
+        if layout is not None:
+            lin.weight = torch.nn.Parameter(torch.Tensor._make_subclass(Quantized, lin.weight.detach()),
+                                            requires_grad=False)
+            lin.weight._layout_cls, lin.weight._qdata = layout, torch.zeros(16, 16, dtype=stored)
+            assert type(lin.weight) is Quantized and lin.weight.dtype == torch.bfloat16
+        return torch.nn.Sequential(lin)
+
+    plain = model()
+    h = hashlib.sha256()
+    h.update(b"torch.nn.modules.container.Sequential")
+    h.update(repr(plain).encode())
+    for name, t in plain.named_parameters():
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+    assert structure_digest(plain) == h.hexdigest()[:16]  # unchanged for plain tensors: warm caches stay warm
+    digests = {structure_digest(m) for m in (plain, model(Fp8Layout), model(Nvfp4Layout),
+                                             model(Fp8Layout, torch.float8_e5m2))}
+    assert len(digests) == 4
+    assert structure_digest(model(Fp8Layout)) == structure_digest(model(Fp8Layout))
