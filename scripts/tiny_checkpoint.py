@@ -26,6 +26,7 @@ Building imports ComfyUI into the calling process (sys.path, CLI args); callers 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -163,7 +164,11 @@ def build_state_dict():
     vae = comfy.taesd.taesd.TAESD(latent_channels=4)
     _init_random(vae)
 
-    sd = model.state_dict_for_saving(clip.state_dict(), vae.state_dict())
+    # newer ComfyUI takes the UNet's state dict first (0.3.75 reads it from the model itself)
+    parts = {"clip_state_dict": clip.state_dict(), "vae_state_dict": vae.state_dict()}
+    if "unet_state_dict" in inspect.signature(model.state_dict_for_saving).parameters:
+        parts["unet_state_dict"] = model.diffusion_model.state_dict()
+    sd = model.state_dict_for_saving(**parts)
     out = {}
     for k, t in sd.items():
         if not torch.is_tensor(t):

@@ -195,6 +195,10 @@ def test_comfy_fp8_weights_sampled_through_the_stored_path(patcher, comfy_inproc
     scales of 0.5) sampled eagerly and compiled with fp8 linears (aot_eager): no weight reaches the
     cache, so every token-wise linear read its stored weight; the image is within the activation
     quantization's error of eager's (measured 0.026 relative L2 unscaled)."""
+    import comfy.ops
+
+    if scaled and not hasattr(comfy.ops, "scaled_fp8_ops"):  # newer ComfyUI: QuantizedTensor (tested below)
+        pytest.skip("this ComfyUI has no scaled_fp8 ops")
     mp = tm.tiny_flux(seed=3, weight_dtype=E4M3, scaled_fp8=scaled)
     dm = mp.model.diffusion_model
     assert dm.double_blocks[0].img_attn.qkv.weight.dtype == E4M3
