@@ -147,7 +147,8 @@ def page(chromium, server, tmp_path_factory):
                 "() => window.comfyAPI?.app?.app?.graph && window.nexfortStatus"
                 " && window.LiteGraph?.registered_node_types?.NexfortCompileModel",
                 timeout=120_000)
-            pg.evaluate("(g) => window.comfyAPI.app.app.loadGraphData(g, true, true)", _workflow())
+            # newer front ends load their default workflow after the app is up: load ours until it stays
+            pg.wait_for_function(_LOAD_OURS, arg=_workflow(), timeout=120_000, polling=1000)
             pg.nexfort_errors = errors
             yield pg
         finally:
@@ -156,13 +157,34 @@ def page(chromium, server, tmp_path_factory):
 
 # -- helpers -------------------------------------------------------------------------------------
 
+#: load the workflow whenever the graph does not hold its nodes; true once it has held them for
+#: three polls in a row (newer front ends load their default workflow a while after the app is up,
+#: over ours; their node ids are strings: compare as strings)
+_LOAD_OURS = """(wf) => {
+    const app = window.comfyAPI.app.app;
+    const nodes = app.graph?.nodes ?? app.graph?._nodes ?? [];
+    const has = wf.nodes.every((w) => nodes.some(
+        (n) => String(n.id) === String(w.id) && (n.comfyClass ?? n.type) === w.type));
+    if (!has) {
+        window.__nexfortStable = 0;
+        if (!window.__nexfortLoading) {
+            window.__nexfortLoading = Promise.resolve(app.loadGraphData(wf, true, true))
+                .finally(() => { window.__nexfortLoading = null; });
+        }
+        return false;
+    }
+    window.__nexfortStable = (window.__nexfortStable ?? 0) + 1;
+    return window.__nexfortStable >= 3;
+}"""
+
+
 def _status(pg, node_id: int) -> dict:
     """Force a stats refresh and a full canvas redraw; return the node's badge state + screen box."""
     return pg.evaluate(
         """async (id) => {
             const app = window.comfyAPI.app.app;
             await window.nexfortStatus.refresh();
-            const node = app.graph.getNodeById(id);
+            const node = (app.graph.nodes ?? app.graph._nodes ?? []).find((n) => String(n.id) === String(id));
             app.canvas.draw(true, true);
             const [x, y, w, h] = node.getBounding();
             const ds = app.canvas.ds;
