@@ -176,7 +176,8 @@ class NexfortCacheManager(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, action: str = "refresh") -> bool | str:
-        # ComfyUI 0.3.75 does not check V3 Combo values at queue time: do it here
+        # ComfyUI 0.3.75 does not check V3 Combo values at queue time: do it here (newer ComfyUI
+        # leaves inputs that validate_inputs takes to it)
         if action not in ACTIONS:
             return f"nexfort: action {action!r} is not in the list; valid actions: {', '.join(ACTIONS)}"
         return True

@@ -105,7 +105,8 @@ def validate_options(options: str | None, mode: str = "O2", memory_format: str =
     """Queue-time check of the dropdowns and the advanced JSON: True, or the error text ComfyUI shows.
 
     ComfyUI 0.3.75 checks V3 ``Combo`` values only at execution (its queue-time check handles V1
-    list-typed combos only), so ``mode`` and ``memory_format`` are checked here too.
+    list-typed combos only), so ``mode`` and ``memory_format`` are checked here too (newer ComfyUI
+    checks them at queue time, except inputs that ``validate_inputs`` takes, as these are).
     """
     if mode not in MODES:
         return f"nexfort: mode {mode!r} is not in the list; valid modes: {', '.join(repr(m) for m in MODES)}"
