@@ -101,7 +101,13 @@ def test_twin_is_comfyui_qknorm_and_rope(comfy_inproc):
 
     torch.manual_seed(0)
     b, h, d = 2, 3, 16
-    norm = QKNorm(d, dtype=torch.bfloat16)
+    import inspect
+
+    import comfy.ops
+
+    # newer ComfyUI builds the norms from its ops (and rotates through comfy-kitchen's op)
+    ops = {"operations": comfy.ops.disable_weight_init} if "operations" in inspect.signature(QKNorm).parameters else {}
+    norm = QKNorm(d, dtype=torch.bfloat16, **ops)
     for p in norm.parameters():
         p.data.copy_(torch.randn(d) * 0.3 + 1)
     txt = torch.randn(b, 5, 3, h, d, dtype=torch.bfloat16).permute(2, 0, 3, 1, 4)
@@ -110,7 +116,7 @@ def test_twin_is_comfyui_qknorm_and_rope(comfy_inproc):
     tq, tk = norm(txt[0], txt[1], txt[2])
     iq, ik = norm(img[0], img[1], img[2])
     q, k = apply_rope(torch.cat([tq, iq], 2), torch.cat([tk, ik], 2), freqs)
-    w_q, w_k = norm.query_norm.scale, norm.key_norm.scale
+    w_q, w_k = (n.scale if hasattr(n, "scale") else n.weight for n in (norm.query_norm, norm.key_norm))
     assert torch.equal(torch_rms_norm_rope([txt[0], img[0]], [w_q, w_q], freqs, 1e-6), q)
     assert torch.equal(torch_rms_norm_rope([txt[1], img[1]], [w_k, w_k], freqs, 1e-6), k)
     assert torch.equal(rms_norm_rope([txt[1], img[1]], [w_k, w_k], freqs, 1e-6), k)  # CPU: the twin
@@ -146,6 +152,18 @@ def _rewritten(fn, args, kwargs):
     return rewritten(_count_then_rewrite, fn, args, kwargs, dynamic=True)
 
 
+def _known_gap_on_kitchen_rope(found: int) -> None:
+    """Newer ComfyUI (0.33.0 checked) rotates Flux's queries and keys through comfy-kitchen's op
+    (``torch.ops.comfy_kitchen.apply_rope``), which the rewrite does not match yet (README, *Newer
+    ComfyUI*): mark that case an expected failure; a rewrite that finds nothing elsewhere fails."""
+    import inspect
+
+    import comfy.ldm.flux.math as flux_math
+
+    if found == 0 and "ck." in inspect.getsource(flux_math.apply_rope1):
+        pytest.xfail("this ComfyUI's Flux rotates through comfy-kitchen's op: the fused RoPE does not apply")
+
+
 def test_rewrite_flux_blocks(comfy_inproc, cache):
     mp = tiny_models.tiny_flux(depth=2, depth_single=2)
     dm = mp.model.diffusion_model.to(torch.bfloat16)
@@ -154,6 +172,7 @@ def test_rewrite_flux_blocks(comfy_inproc, cache):
     x, t, ctx = torch.randn(1, 16, 8, 12, generator=gen), torch.rand(1, generator=gen), torch.randn(1, 7, 48, generator=gen)
     extra = {k: v.to(torch.bfloat16) for k, v in spec.call_extra(1, 8, 12).items()}
     out, ref, found, graphs = _rewritten(dm, (x.bfloat16(), t, ctx.bfloat16()), {"transformer_options": {}, **extra})
+    _known_gap_on_kitchen_rope(max(found, default=0))
     # queries and keys of 2 double and 2 single blocks (Dynamo may restart its analysis once, from
     # inside the backend, to turn float inputs into tensors: then the backend sees the graph twice)
     assert found and set(found) == {8}
@@ -216,6 +235,7 @@ def test_regional_fp8_flux_blocks_are_rewritten(comfy_inproc, cache, fresh_stats
     with torch.no_grad():
         tiny_models.call_diffusion(mp, 64, 64, ctx_len=7, diffusion_model=cm, dtype=torch.bfloat16)
     rec = fresh_stats()["models"][cm.label]
+    _known_gap_on_kitchen_rope(rec["rope_fused"])
     assert rec["regions"] == ["double_blocks[DoubleStreamBlockx4]", "single_blocks[SingleStreamBlockx4]"]
     assert rec["rope_fused"] == 4 and rec["fallbacks"] == 0  # queries and keys of each block class
     torch._dynamo.reset()
@@ -235,6 +255,8 @@ def test_sweep_with_the_fused_op_never_recompiles(comfy_inproc, cache, fresh_sta
         for (h, w), ctx in itertools.product(tiny_models.RESOLUTIONS["flux"], (77, 154)):
             assert torch.isfinite(tiny_models.sample(compiled, h, w, 1, 2, 1.0, ctx)).all()
     rec = fresh_stats()["models"][cm.label]
+    assert rec["recompiles"] == 0, rec["recompile_reasons"]
+    _known_gap_on_kitchen_rope(rec["rope_fused"])
     assert rec["rope_fused"] == 4 and rec["compiles"] == 2 and rec["recompiles"] == 0, rec["recompile_reasons"]
     torch._dynamo.reset()
 
