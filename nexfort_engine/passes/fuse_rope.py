@@ -8,10 +8,14 @@ earlier ``pe[..., 0] * x[..., 0] + pe[..., 1] * x[..., 1]`` form)::
     out = pe[..., 0] * x_[..., 0];  out.addcmul_(pe[..., 1], x_[..., 1])   # or mul + mul + add
     result = out.reshape(B, H, L, D).type_as(y)
 
-where ``y`` is ``rms_norm(x, (D,), w, eps)`` (``QKNorm``; a no-op ``.to(v)`` after it is allowed)
-or the ``cat(..., dim=2)`` of such norms (Flux's double blocks: text and image streams). Each
-match is replaced by one call of ``nexfort::rms_norm_rope`` (:mod:`nexfort_engine.rope`) on the
-norms' inputs, weights, ``pe`` and ``eps``.
+and, in newer ComfyUI (0.33.0 checked), the same rotation as comfy-kitchen's op
+(``torch.ops.comfy_kitchen.apply_rope(q, k, pe)``, ``apply_rope1(x, pe)``: its eager backend is
+the formula above, its GPU kernels the same function), where ``y`` is ``rms_norm(x, (D,), w, eps)``
+(``QKNorm``; a no-op ``.to(v)`` after it is allowed; ``eps=None``, what newer ComfyUI's
+``torch.nn.RMSNorm`` passes, is torch's default: float32's epsilon for 16-bit inputs) or the
+``cat(..., dim=2)`` of such norms (Flux's double blocks: text and image streams). Each match is
+replaced by one call of ``nexfort::rms_norm_rope`` (:mod:`nexfort_engine.rope`) on the norms'
+inputs, weights, ``pe`` and ``eps``.
 
 Only matches whose ``pe`` is float32 ``[B or 1, 1, L, D/2, 2, 2]``, whose norms keep the model
 dtype (bfloat16 or float16) and whose head size is a power of two are rewritten; anything else
@@ -127,6 +131,8 @@ def _norm(node: Any, dtype: torch.dtype) -> tuple[fx.Node, fx.Node, float, list[
     xv = _val(x)
     if xv is None or xv.dim() != 4 or xv.dtype != dtype or not isinstance(weight, fx.Node):
         return None
+    if eps is None:  # torch's default: the epsilon of the float32 arithmetic 16-bit inputs use
+        eps = torch.finfo(torch.float32).eps
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         return None
     if not isinstance(shape, (list, tuple)) or len(shape) != 1 or _int(shape[0]) != _static(xv.shape[-1]):
@@ -193,14 +199,7 @@ def _match(result: fx.Node) -> Match | None:
         return None
     if xv.dim() != 6 or _static(xv.shape[-3]) != d // 2 or tuple(_static(s) for s in xv.shape[-2:]) != (1, 2):
         return None
-    if pv.dtype != torch.float32 or pv.dim() != 6 or _static(pv.shape[1]) != 1 or _static(pv.shape[3]) != d // 2:
-        return None
-    if tuple(_static(s) for s in pv.shape[4:]) != (2, 2):
-        return None
-    # (symbolic sizes compared as expressions: comparing them as SymInts would add guards)
-    if _static(pv.shape[0]) != 1 and str(pv.shape[0]) != str(yv.shape[0]):
-        return None
-    if rv.dim() != 4 or _static(rv.shape[-1]) != d:
+    if not _rotation_shapes_fit(yv, rv, pv, d):
         return None
     # the intermediates feed only the rotation (the in-place update must not be seen elsewhere)
     if len(x_.users) != 2 or len(t32.users) != 1 or len(reshaped.users) != 1:
@@ -212,9 +211,73 @@ def _match(result: fx.Node) -> Match | None:
     return Match(result, xs, weights, pe, eps, [result, reshaped, *rot_nodes, x_, t32, *norm_nodes])
 
 
+def _kitchen_op(name: str) -> tuple[Any, ...]:
+    """comfy-kitchen's op ``name`` (its packet and default overload) where it is registered."""
+    try:
+        packet = getattr(torch.ops.comfy_kitchen, name)
+        return (packet, packet.default)
+    except (AttributeError, RuntimeError):
+        return ()
+
+
+def _kitchen_matches(node: fx.Node) -> list[Match]:
+    """The rotations a call of comfy-kitchen's ``apply_rope`` / ``apply_rope1`` makes (one per
+    output whose input is a norm of the form :func:`_parts` takes)."""
+    if node.op != "call_function" or node.kwargs:
+        return []
+    pair = node.target in _kitchen_op("apply_rope")
+    if not pair and node.target not in _kitchen_op("apply_rope1"):
+        return []
+    n_in = 2 if pair else 1
+    if len(node.args) != n_in + 1 or not all(isinstance(a, fx.Node) for a in node.args):
+        return []
+    ys, pe = list(node.args[:n_in]), node.args[n_in]
+    results: dict[int, fx.Node] = {0: node}
+    if pair:  # the outputs are read through getitem only
+        results = {u.args[1]: u for u in node.users
+                   if _is_call(u, (operator.getitem,)) and len(u.args) == 2 and isinstance(u.args[1], int)}
+        if len(results) != len(node.users):
+            return []
+    matches = []
+    for i, y in enumerate(ys):
+        result = results.get(i)
+        if result is None or len(ys) != len(set(ys)):
+            continue
+        yv, rv, pv = _val(y), _val(result), _val(pe)
+        if yv is None or rv is None or pv is None or yv.dim() != 4 or rv.dtype != yv.dtype:
+            continue
+        d = _static(yv.shape[-1])
+        if d is None or not rope.kernel_takes(yv.dtype, d) or not _rotation_shapes_fit(yv, rv, pv, d):
+            continue
+        parts = _parts(y, yv.dtype)
+        if parts is None:
+            continue
+        xs, weights, eps, norm_nodes = parts
+        matches.append(Match(result, xs, weights, pe, eps, [result, node, *norm_nodes]))
+    return matches
+
+
+def _rotation_shapes_fit(yv: torch.Tensor, rv: torch.Tensor, pv: torch.Tensor, d: int) -> bool:
+    """``pe`` is float32 ``[B or 1, 1, L, D/2, 2, 2]`` and the rotated tensor ``[B, H, L, D]``."""
+    if pv.dtype != torch.float32 or pv.dim() != 6 or _static(pv.shape[1]) != 1 or _static(pv.shape[3]) != d // 2:
+        return False
+    if tuple(_static(s) for s in pv.shape[4:]) != (2, 2):
+        return False
+    # (symbolic sizes compared as expressions: comparing them as SymInts would add guards)
+    if _static(pv.shape[0]) != 1 and str(pv.shape[0]) != str(yv.shape[0]):
+        return False
+    return rv.dim() == 4 and _static(rv.shape[-1]) == d
+
+
 def find_matches(gm: fx.GraphModule) -> list[Match]:
     """The rotations of ``gm`` that :func:`rewrite_ropes` replaces."""
-    return [m for node in gm.graph.nodes if (m := _match(node)) is not None]
+    found = []
+    for node in gm.graph.nodes:
+        if (m := _match(node)) is not None:
+            found.append(m)
+        else:
+            found.extend(_kitchen_matches(node))
+    return found
 
 
 def rewrite_ropes(gm: fx.GraphModule) -> int:
