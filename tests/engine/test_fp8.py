@@ -638,7 +638,7 @@ def test_auto_fp8_width_of_the_released_architectures(comfy_inproc, family, widt
     from benchmarks import models
 
     spec = models.get_spec(family)
-    config = getattr(comfy.supported_models, spec.config_class)(dict(spec.unet_config))
+    config = getattr(comfy.supported_models, spec.config_class)(models.host_unet_config(spec))
     config.set_inference_dtype(torch.bfloat16, None)
     model = config.get_model(dict(spec.detect_state_dict), "", device=torch.device("meta"))
     assert fp8_mod.model_width(model.diffusion_model) == width
