@@ -232,6 +232,9 @@ def _kitchen_matches(node: fx.Node) -> list[Match]:
     if len(node.args) != n_in + 1 or not all(isinstance(a, fx.Node) for a in node.args):
         return []
     ys, pe = list(node.args[:n_in]), node.args[n_in]
+    pv = _val(pe)
+    if pv is None or len(ys) != len(set(ys)):
+        return []
     results: dict[int, fx.Node] = {0: node}
     if pair:  # the outputs are read through getitem only
         results = {u.args[1]: u for u in node.users
@@ -241,10 +244,10 @@ def _kitchen_matches(node: fx.Node) -> list[Match]:
     matches = []
     for i, y in enumerate(ys):
         result = results.get(i)
-        if result is None or len(ys) != len(set(ys)):
+        if result is None:
             continue
-        yv, rv, pv = _val(y), _val(result), _val(pe)
-        if yv is None or rv is None or pv is None or yv.dim() != 4 or rv.dtype != yv.dtype:
+        yv, rv = _val(y), _val(result)
+        if yv is None or rv is None or yv.dim() != 4 or rv.dtype != yv.dtype:
             continue
         d = _static(yv.shape[-1])
         if d is None or not rope.kernel_takes(yv.dtype, d) or not _rotation_shapes_fit(yv, rv, pv, d):
