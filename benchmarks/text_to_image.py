@@ -526,6 +526,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         mp.offload_device = torch.device("cpu")
     metrics.sync(device)
     result["build_s"] = time.perf_counter() - t0
+    print(f"built {args.model} (weights on {weights_device}) in {result['build_s']:.1f} s", file=sys.stderr, flush=True)
     result["params"] = sum(p.numel() for p in mp.model.diffusion_model.parameters())
 
     # float32 eager reference (same weights, upcast), freed before anything is measured
@@ -555,6 +556,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         metrics.reset_peak(device)
         eager_latent, m = runner.run(mp, height, width, args.steps)
         result["eager_warmup_s"] = m["e2e_s"]
+        print(f"eager first sampling (with the load) {m['e2e_s']:.1f} s", file=sys.stderr, flush=True)
         if args.compiler == "none":
             result["warmup_s"] = m["e2e_s"]
 
