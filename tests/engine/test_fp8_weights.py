@@ -50,6 +50,26 @@ def test_quantize_per_tensor_against_torch():
         assert torch.equal(qd.view(torch.uint8), (wd.float() / ref_s).clamp(-448, 448).to(E4M3).view(torch.uint8))
 
 
+def test_cpu_rounding_in_row_blocks_gives_the_same_bits(monkeypatch):
+    """A CPU weight past ``CPU_CHUNK`` elements is rounded a block of rows at a time (ComfyUI loads
+    checkpoints to the CPU): the bits of the whole-tensor formula, for a given scale too, with a
+    last block shorter than the others and for a transposed (non-contiguous) weight."""
+    from nexfort_engine import fp8_weights
+
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(64, 32, generator=gen) * 0.02).to(torch.bfloat16)
+    w[5, 7] = 3.0  # one outlier: most values round small
+    want_q, want_s = quantize_per_tensor(w)  # under CPU_CHUNK: the whole-tensor path
+    clipped_q, _ = quantize_per_tensor(w * 4, want_s)
+    monkeypatch.setattr(fp8_weights, "CPU_CHUNK", 100)  # 3 rows a block: 21 blocks and one of 1 row
+    q, s = quantize_per_tensor(w)
+    assert torch.equal(s, want_s) and q.shape == w.shape
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(quantize_per_tensor(w * 4, want_s)[0].view(torch.uint8), clipped_q.view(torch.uint8))
+    qt, _ = quantize_per_tensor(w.t(), want_s)
+    assert torch.equal(qt.view(torch.uint8), want_q.t().contiguous().view(torch.uint8))
+
+
 def test_layer_against_its_twin():
     gen = torch.Generator().manual_seed(1)
     lin = torch.nn.Linear(32, 48)
