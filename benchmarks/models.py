@@ -256,11 +256,16 @@ def init_weights(module: torch.nn.Module, seed: int = 0, draw_device: torch.devi
 
 
 def host_unet_config(spec: ModelSpec) -> dict[str, Any]:
-    """``spec.unet_config`` for the running ComfyUI: newer ones' ``FluxParams`` also require
+    """``spec.unet_config`` for the running ComfyUI (see :func:`host_config`)."""
+    return host_config(spec.unet_config)
+
+
+def host_config(unet_config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``unet_config`` for the running ComfyUI: newer ones' ``FluxParams`` also require
     ``txt_ids_dims``, which their detection sets to ``[]`` for Flux.1 (0.3.75 has no such field)."""
     import dataclasses
 
-    config = dict(spec.unet_config)
+    config = dict(unet_config)
     if config.get("image_model") == "flux":
         import comfy.ldm.flux.model
 

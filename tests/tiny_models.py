@@ -161,16 +161,10 @@ _FLUX_TINY_CONFIG: dict[str, Any] = {
 
 
 def _flux_config(**overrides: Any) -> dict[str, Any]:
-    """The tiny Flux's ``unet_config`` for the running ComfyUI: newer ones' ``FluxParams`` also
-    require ``txt_ids_dims``, which their detection sets to ``[]`` for Flux.1."""
-    import dataclasses
+    """The tiny Flux's ``unet_config`` for the running ComfyUI (``benchmarks.models.host_config``)."""
+    from benchmarks.models import host_config
 
-    import comfy.ldm.flux.model
-
-    config = {**_FLUX_TINY_CONFIG, **overrides}
-    if "txt_ids_dims" in {f.name for f in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
-        config.setdefault("txt_ids_dims", [])
-    return config
+    return host_config({**_FLUX_TINY_CONFIG, **overrides})
 
 
 def tiny_flux(seed: int = 0, depth: int = 1, depth_single: int = 1, weight_dtype: torch.dtype | None = None,
