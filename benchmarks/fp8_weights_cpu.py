@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nexfort_engine import fp8_weights  # noqa: E402
 from nexfort_engine.fp8_weights import E4M3, E4M3_MAX, HEADROOM, quantize_per_tensor  # noqa: E402
 
 #: Flux-dev's block linears: (out, in) -> how many. 19 double blocks x (image, text): qkv, proj,
@@ -39,10 +40,14 @@ def whole_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="elements per fp32 working block (0: the shipped fp8_weights.CPU_CHUNK)")
     p.add_argument("--output-json")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.chunk:
+        fp8_weights.CPU_CHUNK = args.chunk
     gen = torch.Generator().manual_seed(0)
     rows = []
     total = {"whole_tensor": 0.0, "shipped": 0.0}
@@ -60,7 +65,7 @@ def main() -> int:
                                                                          q_old.view(torch.uint8)))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    doc = {"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows,
+    doc = {"threads": torch.get_num_threads(), "chunk": fp8_weights.CPU_CHUNK, "torch": torch.__version__, "rows": rows,
            "flux_blocks_s": {k: round(v, 2) for k, v in total.items()},
            "values": sum(a * b * c for (a, b), c in FLUX_SHAPES.items())}
     print(json.dumps({k: v for k, v in doc.items() if k != "rows"}), flush=True)
