@@ -235,9 +235,8 @@ def init_weights(module: torch.nn.Module, seed: int = 0, draw_device: torch.devi
             gen = torch.Generator(device=dev).manual_seed(seed)
             gen_by_device[str(dev)] = gen
         # weights stored in fp8 (--dtype fp8_e4m3fn) are drawn in bf16 and cast
-        drawn_apart = p.dtype.itemsize == 1 or dev != p.device
-        t = torch.empty(p.shape, device=dev, dtype=torch.bfloat16 if p.dtype.itemsize == 1 else p.dtype) if (
-            drawn_apart) else p
+        draw_dtype = torch.bfloat16 if p.dtype.itemsize == 1 else p.dtype
+        t = p if draw_dtype == p.dtype and dev == p.device else torch.empty(p.shape, device=dev, dtype=draw_dtype)
         if p.dim() <= 1:
             leaf = name.rsplit(".", 1)[-1]
             if "norm" in name and leaf in ("weight", "scale"):
@@ -290,8 +289,8 @@ def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, manual_cast
     model = model_config.get_model(dict(spec.detect_state_dict), "", device=device)
     model = model.to(device)  # a few parameters are created with plain torch.randn on the CPU
     model.eval()
-    # drawn on the load device: the same weights wherever they are built
-    init_weights(model.diffusion_model, seed, draw_device=load_device)
+    # weights built on the CPU are drawn on the load device: the same values wherever they are built
+    init_weights(model.diffusion_model, seed, draw_device=load_device if device != load_device else None)
     return comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=device)
 
 

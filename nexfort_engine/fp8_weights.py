@@ -61,12 +61,7 @@ def quantize_per_tensor(weight: torch.Tensor, scale: torch.Tensor | None = None)
         amax = torch.maximum(lo.abs(), hi.abs()).float()
         scale = torch.where(amax > 0, amax * HEADROOM / E4M3_MAX, torch.ones_like(amax))
     scale = scale.detach().float().reshape(()).to(w.device)
-    if w.device.type == "cpu" and w.dim() >= 1 and w.numel() > CPU_CHUNK:
-        return _quantize_rows_in_chunks(w, scale), scale
-    # one fp32 copy, divided and clipped in place (same bits as a temporary per step)
-    x = w.to(torch.float32, copy=True)
-    x.div_(scale).clamp_(-E4M3_MAX, E4M3_MAX)
-    return x.to(E4M3), scale
+    return _round_in_row_blocks(w, scale), scale
 
 
 #: elements per fp32 working block on the CPU (16 MiB, in a server's last-level cache). Flux-dev's
@@ -75,18 +70,19 @@ def quantize_per_tensor(weight: torch.Tensor, scale: torch.Tensor | None = None)
 CPU_CHUNK = 1 << 22
 
 
-def _quantize_rows_in_chunks(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """:func:`quantize_per_tensor`'s rounding on the CPU, a block of rows at a time through one
-    reused fp32 buffer (:data:`CPU_CHUNK` elements): the same element-wise steps, so the same bits.
-    ComfyUI loads a checkpoint to the CPU, so a Flux-size model's copies are made there, and a
-    whole-weight fp32 temporary made that memory-bound: each call touched a fresh
-    4-byte-per-element allocation (page faults) and streamed it four times. Here 3 bytes per element
-    cross memory. With the one-pass maximum, a 3072x12288 bf16 weight takes 82 ms on one thread of
-    the CI box (was about 195) and 43 ms on two (was about 380: the page faults do not parallelise)."""
-    rows = w.reshape(w.shape[0], -1)
-    per = max(1, CPU_CHUNK // max(rows.shape[1], 1))
-    out = torch.empty(rows.shape, dtype=E4M3)
-    buf = torch.empty((min(per, rows.shape[0]), rows.shape[1]), dtype=torch.float32)
+def _round_in_row_blocks(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``w / scale`` clipped to +-448 and cast to e4m3, computed in fp32 through one reused buffer:
+    all rows at once on a GPU, a block of rows at a time (:data:`CPU_CHUNK` elements) on the CPU.
+    The same element-wise steps either way, so the same bits. ComfyUI loads a checkpoint to the CPU,
+    so a Flux-size model's copies are made there, and a whole-weight fp32 temporary made that
+    memory-bound: each call touched a fresh 4-byte-per-element allocation (page faults) and
+    streamed it four times. In blocks, 3 bytes per element cross memory. With the one-pass maximum,
+    a 3072x12288 bf16 weight takes 82 ms on one thread of the CI box (was about 195) and 43 ms on
+    two (was about 380: the page faults do not parallelise)."""
+    rows = w.reshape(w.shape[0] if w.dim() else 1, -1)
+    per = max(1, CPU_CHUNK // max(rows.shape[1], 1)) if w.device.type == "cpu" else rows.shape[0]
+    out = torch.empty(rows.shape, dtype=E4M3, device=w.device)
+    buf = torch.empty((min(per, rows.shape[0]), rows.shape[1]), dtype=torch.float32, device=w.device)
     for i in range(0, rows.shape[0], per):
         j = min(rows.shape[0], i + per)
         b = buf[: j - i]

@@ -59,7 +59,7 @@ def test_cpu_rounding_in_row_blocks_gives_the_same_bits(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(64, 32, generator=gen) * 0.02).to(torch.bfloat16)
     w[5, 7] = 3.0  # one outlier: most values round small
-    want_q, want_s = quantize_per_tensor(w)  # under CPU_CHUNK: the whole-tensor path
+    want_q, want_s = quantize_per_tensor(w)  # under CPU_CHUNK: one block of all rows
     clipped_q, _ = quantize_per_tensor(w * 4, want_s)
     monkeypatch.setattr(fp8_weights, "CPU_CHUNK", 100)  # 3 rows a block: 21 blocks and one of 1 row
     q, s = quantize_per_tensor(w)
