@@ -16,13 +16,18 @@
 #   5. options: --keep-cache puts the compile caches in $OUT/caches.tar.gz if that is under
 #      CACHE_MAX_MB (default 15); --restore-cache unpacks .device/caches.tar.gz first (then
 #      "warm-up with compilation" is no longer cold - say so when reporting)
+# NEXFORT_DEVICE_DIR (default .device) names the carried folder: another ComfyUI tree and its
+# packages (site.tar.xz, see device_bundle.sh) come that way, unpacked under their own $WORK.
 # Results and compile caches are per call ($WORK/results/<call>, $WORK/cache/<call>): a later call
 # on a machine still warm from an earlier one neither merges the earlier rows into its results.json
 # nor finds their compiled graphs (that made run74's results carry a row of run73).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-WORK="${NEXFORT_DEVICE_WORK:-/tmp/nexfort_device}"
+DEVDIR="${NEXFORT_DEVICE_DIR:-.device}"
+DEVDIR="${DEVDIR%/}"
+if [ "$DEVDIR" = ".device" ]; then WORK="${NEXFORT_DEVICE_WORK:-/tmp/nexfort_device}"
+else WORK="${NEXFORT_DEVICE_WORK:-/tmp/nexfort_device_${DEVDIR#.}}"; fi
 OUT="${OUT:-$ROOT/out/device}"
 BUDGET_S="${BUDGET_S:-540}"
 MIN_LEFT_S="${MIN_LEFT_S:-45}"
@@ -56,14 +61,20 @@ unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX="$WORK/pycache"
 
 # 1. ComfyUI + wheels + the pack
-if [ ! -f "$ROOT/.device/comfyui.tar.gz" ]; then
-    log "missing .device/comfyui.tar.gz: run scripts/device_bundle.sh here and carry .device and .whl"; exit 1
+if [ ! -f "$ROOT/$DEVDIR/comfyui.tar.gz" ]; then
+    log "missing $DEVDIR/comfyui.tar.gz: run scripts/device_bundle.sh here and carry $DEVDIR (and .whl)"; exit 1
 fi
 if [ ! -d "$WORK/ComfyUI" ]; then
-    tar -xzf "$ROOT/.device/comfyui.tar.gz" -C "$WORK" || { log "unpacking ComfyUI failed"; exit 1; }
+    tar -xzf "$ROOT/$DEVDIR/comfyui.tar.gz" -C "$WORK" || { log "unpacking ComfyUI failed"; exit 1; }
 fi
 COMFY="$WORK/ComfyUI"
-if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+if [ -f "$ROOT/$DEVDIR/site.tar.xz" ]; then
+    if [ ! -f "$WORK/site/.unpacked" ]; then
+        mkdir -p "$WORK/site" && tar -xJf "$ROOT/$DEVDIR/site.tar.xz" -C "$WORK/site" && touch "$WORK/site/.unpacked" \
+            || { log "unpacking $DEVDIR/site.tar.xz failed"; exit 1; }
+    fi
+    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+elif ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
         "$ROOT"/.whl/*.whl 2>&1 | tail -3 | tee -a "$LOG"
     export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -72,8 +83,8 @@ else
 fi
 mkdir -p "$COMFY/custom_nodes"
 ln -sfn "$ROOT" "$COMFY/custom_nodes/nexfort"
-if [ "$RESTORE_CACHE" = 1 ] && [ -f "$ROOT/.device/caches.tar.gz" ]; then
-    tar -xzf "$ROOT/.device/caches.tar.gz" -C "$CACHE" && log "restored caches from .device/caches.tar.gz"
+if [ "$RESTORE_CACHE" = 1 ] && [ -f "$ROOT/$DEVDIR/caches.tar.gz" ]; then
+    tar -xzf "$ROOT/$DEVDIR/caches.tar.gz" -C "$CACHE" && log "restored caches from $DEVDIR/caches.tar.gz"
 fi
 
 # 2. smoke
