@@ -55,6 +55,7 @@ from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, mo
 from .indexing import int32_size_args
 from .options import CompileConfig, env_switch, parse_options
 from .passes import group_norm
+from .passes.sdpa_priority import device_prefers_cudnn
 from .reductions import persistent_rows
 from .settings import Settings, fp16_accumulation_pays, resolve, runtime_overrides
 from .threads import adopt_cudagraph_trees
@@ -227,6 +228,8 @@ class CompiledModule(torch.nn.Module):
         self._nx_fp8_attentions = 0
         #: fp8 GEMMs reading weights the model stores in e4m3 (passes/fp8_stored.py)
         self._nx_fp8_stored = 0
+        #: callers' SDPA priority lists with cuDNN moved ahead of flash (passes/sdpa_priority.py)
+        self._nx_sdpa_reordered = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         #: set up, but the first compiled call (entry verification, compile or load) not made yet:
@@ -341,6 +344,12 @@ class CompiledModule(torch.nn.Module):
             if n := rewrite_ropes(gm):
                 self._nx_fused_ropes += n
                 counters.set_info(self._nx_label, rope_fused=self._nx_fused_ropes)
+        if self._nx_settings is not None and self._nx_settings.sdpa_cudnn_first:
+            from .passes.sdpa_priority import rewrite_sdpa_priorities
+
+            if n := rewrite_sdpa_priorities(gm):
+                self._nx_sdpa_reordered += n
+                counters.set_info(self._nx_label, sdpa_cudnn_first=self._nx_sdpa_reordered)
         if self._nx_settings is not None and self._nx_settings.fp8_attention:
             from .passes.fp8_attention import rewrite_attentions
 
@@ -416,7 +425,7 @@ class CompiledModule(torch.nn.Module):
                         label, why)
             self._replace_workers(taken)
             (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants, self._nx_fused_ropes,
-             self._nx_fp8_attentions, self._nx_fp8_stored) = self._nx_counts_before
+             self._nx_fp8_attentions, self._nx_fp8_stored, self._nx_sdpa_reordered) = self._nx_counts_before
             return None
         counters.set_info(label, compile_parts_streamed=streamer.report())
         if cut is None:
@@ -659,6 +668,7 @@ class CompiledModule(torch.nn.Module):
             fp8_pays=fp8_pays,
             fp8_attention_capable=bool(fp8_attention_capable),
             autotune_pays=not whole_conv_net,
+            cudnn_attention_preferred=cuda and device_prefers_cudnn(capability, torch.backends.cudnn.version()),
         )
         if self._nx_settings.autotune_skipped:
             counters.set_info(self._nx_label, autotune_skipped="convolutional UNet compiled whole")
@@ -845,7 +855,8 @@ class CompiledModule(torch.nn.Module):
                 self._nx_stream = stream.Streamer(len(self._nx_part_jobs), params, self._stream_send,
                                                   self._graph_passes)
                 self._nx_counts_before = (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants,
-                                          self._nx_fused_ropes, self._nx_fp8_attentions, self._nx_fp8_stored)
+                                          self._nx_fused_ropes, self._nx_fp8_attentions, self._nx_fp8_stored,
+                                          self._nx_sdpa_reordered)
             t1 = time.perf_counter()
             self._nx_defer_parts, self._nx_pending = True, None
             self._nx_trace_t0 = t1

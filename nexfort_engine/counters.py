@@ -62,6 +62,8 @@ class _Record:
     rope_fused: int = 0
     #: attentions run in fp8 through cuDNN (passes/fp8_attention.py)
     attention_fp8: int = 0
+    #: callers' SDPA priority lists with cuDNN moved ahead of flash (passes/sdpa_priority.py)
+    sdpa_cudnn_first: int = 0
     #: fp8 GEMMs reading the weights a model stores in e4m3, no copy or cast (passes/fp8_stored.py)
     fp8_stored_weights: int = 0
     #: linears the host swapped for layers storing their weight in e4m3 (``"fp8_weights"``, fp8_weights.py)
@@ -135,6 +137,7 @@ class _Record:
             fp8_quant_fused=self.fp8_quant_fused,
             rope_fused=self.rope_fused,
             attention_fp8=self.attention_fp8,
+            sdpa_cudnn_first=self.sdpa_cudnn_first,
             fp8_stored_weights=self.fp8_stored_weights,
             fp8_weight_layers=self.fp8_weight_layers,
             channels_last_weights=self.channels_last_weights,

@@ -93,6 +93,7 @@ TOP_LEVEL_KEYS = (
     "compile_workers",
     "static_first",
     "fp8_weights",
+    "sdpa_cudnn_first",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -168,6 +169,11 @@ class CompileConfig:
     #: is compiled (fp8_weights.py; the host swaps the layers in and keeps the originals off the
     #: device): half the weights' memory of bf16, lossy (one rounding per weight); off by default
     fp8_weights: bool = False
+    #: attention inside compiled graphs: cuDNN ahead of flash in a caller's backend priority list
+    #: (ComfyUI 0.29+ puts flash first; passes/sdpa_priority.py); None = auto (on where torch's own
+    #: order starts with cuDNN: Hopper / datacenter Blackwell with cuDNN > 9.15), True/False =
+    #: always (also on CPU: the graph changes, the CPU runs neither kernel) / never
+    sdpa_cudnn_first: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -185,6 +191,8 @@ class CompileConfig:
         d.pop("mode", None)
         if not d["fp8_weights"]:  # added later: configs without it keep their digest (and caches)
             d.pop("fp8_weights")
+        if d["sdpa_cudnn_first"] is None:  # added later; the effective value is in Settings.digest
+            d.pop("sdpa_cudnn_first")
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -358,6 +366,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         compile_workers=_as_workers(options.get("compile_workers")),
         static_first=_as_optional_bool("static_first", options.get("static_first")),
         fp8_weights=_as_bool("fp8_weights", options.get("fp8_weights", False)),
+        sdpa_cudnn_first=_as_optional_bool("sdpa_cudnn_first", options.get("sdpa_cudnn_first")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

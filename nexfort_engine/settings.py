@@ -141,6 +141,8 @@ class Settings:
     fused_rope: bool = False
     #: those attentions in fp8 through nexfort::sdpa_fp8 (passes/fp8_attention.py)
     fp8_attention: bool = False
+    #: cuDNN attention ahead of flash in callers' SDPA priority lists (passes/sdpa_priority.py)
+    sdpa_cudnn_first: bool = False
     #: the preset's max-autotune left out (``autotune_pays`` false: a UNet compiled whole); the
     #: effective inductor settings, and so :meth:`digest`, show it already
     autotune_skipped: bool = False
@@ -177,6 +179,9 @@ class Settings:
         d.pop("fp8_attention", None)  # the effective value, only when on (older keys stay valid)
         if self.fp8_attention:
             d["fp8_attention"] = True
+        d.pop("sdpa_cudnn_first", None)  # the effective value, only when on
+        if self.sdpa_cudnn_first:
+            d["sdpa_cudnn_first"] = True
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -208,6 +213,7 @@ def resolve(
     fp8_pays: bool = True,
     fp8_attention_capable: bool = False,
     autotune_pays: bool = True,
+    cudnn_attention_preferred: bool = False,
 ) -> Settings:
     """Flags + overrides -> scoped settings for this machine.
 
@@ -219,6 +225,9 @@ def resolve(
     ``autotune_pays``: max-autotune repays its compile on this model; when false (a convolutional
     UNet compiled whole) a preset's ``max-autotune`` (O3) is left out, while a mode string that
     names it keeps it.
+    ``cudnn_attention_preferred``: torch's own attention order starts with cuDNN on the device
+    (:func:`nexfort_engine.passes.sdpa_priority.device_prefers_cudnn`); auto ``sdpa_cudnn_first``
+    follows it.
     ``fp16_accumulation``: the device's fp16 GEMMs run faster accumulating in fp16
     (:func:`fp16_accumulation_pays`); ``low-precision`` then turns that on.
     fp8 linears are on with ``"fp8": true`` on such a GPU or on CPU (correct, not faster: for
@@ -304,6 +313,10 @@ def resolve(
     fp8_attention = bool(fused_rope) and (
         config.fp8_attention if config.fp8_attention is not None else fp8 and fp8_attention_capable
     )
+    # attention inside compiled graphs: where torch itself prefers cuDNN (Hopper), a caller's
+    # flash-first priority (ComfyUI 0.29+) does not demote it (passes/sdpa_priority.py)
+    sdpa_cudnn_first = (config.sdpa_cudnn_first if config.sdpa_cudnn_first is not None
+                        else cuda and cudnn_attention_preferred)
     return Settings(
         inductor=inductor,
         runtime=runtime,
@@ -314,6 +327,7 @@ def resolve(
         fused_quant=bool(fused_quant),
         fused_rope=bool(fused_rope),
         fp8_attention=bool(fp8_attention),
+        sdpa_cudnn_first=bool(sdpa_cudnn_first),
         autotune_skipped=bool(autotune_skipped),
     )
 

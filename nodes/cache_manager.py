@@ -106,6 +106,8 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", {m['rope_fused']} query/key norm + rotary embeddings fused"
         if m.get("attention_fp8"):
             how += f", {m['attention_fp8']} attentions in fp8 (cuDNN)"
+        if m.get("sdpa_cudnn_first"):
+            how += f", cuDNN attention ahead of flash in {m['sdpa_cudnn_first']} priority list(s)"
         if m.get("fp8_weight_layers"):
             how += f", {m['fp8_weight_layers']} linear weights stored in fp8"
         if m.get("fp8_stored_weights"):

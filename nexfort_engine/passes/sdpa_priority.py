@@ -1,0 +1,119 @@
+"""cuDNN attention ahead of flash inside compiled graphs, where the device prefers it.
+
+ComfyUI (0.29 and later, on Linux and Windows with CUDA) runs every large attention inside
+``sdpa_kernel([FLASH, CUDNN, EFFICIENT, MATH], set_priority=True)`` (``comfy.ops``). On Hopper
+that demotes the backend torch itself puts first there: torch's default order starts with cuDNN on
+sm90/sm100 with a recent cuDNN (``check_prefer_cudnn_attention`` in torch's ``sdp_utils.cpp``), and
+measured 1.6-1.9x faster than flash at PixArt's, SDXL's and Flux's shapes on an H200 (torch 2.11,
+BENCHMARKS.md, first session). With the priority, Flux-dev ran at 6.33 it/s under ComfyUI's own
+compile on ComfyUI 0.33 against 7.39 on 0.3.75, which sets no priority on Linux.
+
+Dynamo traces the context manager into the graph as ``torch.nn.attention._sdpa_kernel(backends,
+True)`` calls around the attention (entering with the caller's list, leaving with the order before
+it); AOTAutograd runs them while it traces, so the order in force there decides which fused
+attention op the compiled graph calls. This pass moves cuDNN right ahead of flash in every entering
+list that puts flash first and also allows cuDNN: the caller's set of backends is kept (nothing is
+turned on that it turned off) and only that pair changes places. A leaving call restores the whole
+order that was in force (it names every backend) and is left as it is, so the process's own order
+is the same after a compile as before. Outside compiled graphs (eager calls, fallbacks) the
+caller's order stays.
+
+Both are exact attention kernels (fp32 softmax statistics, 16-bit probabilities); the error of the
+compiled output against float32 is measured per model by the bench.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.nn.attention import SDPBackend
+
+log = logging.getLogger(__name__)
+
+__all__ = ["device_prefers_cudnn", "rewrite_sdpa_priorities"]
+
+#: CUDA capabilities where torch's default order puts cuDNN attention first (Hopper and datacenter
+#: Blackwell: ``check_prefer_cudnn_attention``); elsewhere flash is torch's own first choice too
+CUDNN_FIRST_CAPABILITIES = ((9, 0), (10, 0), (10, 3))
+#: cuDNN that torch requires before preferring it (9.15.1 fixed sequence lengths that are not
+#: multiples of 128; torch 2.14's rule, the strictest seen): 9.19 on the device's torch 2.11
+CUDNN_MIN_VERSION = 91500
+
+
+def device_prefers_cudnn(capability: tuple[int, int] | None, cudnn_version: int | None) -> bool:
+    """Whether torch's own attention order starts with cuDNN on this GPU (the rule of torch's
+    ``check_prefer_cudnn_attention``, including its ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` opt-out)."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    return (capability is not None and tuple(capability) in CUDNN_FIRST_CAPABILITIES
+            and cudnn_version is not None and cudnn_version > CUDNN_MIN_VERSION)
+
+
+def _backend(arg: Any) -> SDPBackend | None:
+    """The backend one list element names: a constant, or Dynamo's ``_backend_from_string`` call."""
+    if isinstance(arg, SDPBackend):
+        return arg
+    if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is torch.nn.attention._backend_from_string:
+        name = arg.args[0] if arg.args else arg.kwargs.get("name")
+        return getattr(SDPBackend, name, None) if isinstance(name, str) else None
+    return None
+
+
+def _set_priority(node: fx.Node) -> bool:
+    if len(node.args) > 1:
+        return bool(node.args[1])
+    return bool(node.kwargs.get("set_priority", False))
+
+
+#: every backend a priority order holds: a list naming all of them is Dynamo's restore of the order
+#: in force before a ``sdpa_kernel`` block (``torch._C._get_sdp_priority_order()``), not a caller's
+FULL_ORDER = frozenset(b for b in SDPBackend.__members__.values() if b != SDPBackend.ERROR)
+
+
+def _reordered(items: list[Any]) -> list[Any] | None:
+    """``items`` with cuDNN moved right ahead of flash, or None when it already is, when the list
+    does not name both, or when it is a restore (names every backend)."""
+    kinds = [_backend(a) for a in items]
+    if SDPBackend.CUDNN_ATTENTION not in kinds or SDPBackend.FLASH_ATTENTION not in kinds:
+        return None
+    if FULL_ORDER <= set(kinds):
+        return None
+    c, f = kinds.index(SDPBackend.CUDNN_ATTENTION), kinds.index(SDPBackend.FLASH_ATTENTION)
+    if c < f:
+        return None
+    out = list(items)
+    cudnn = out.pop(c)
+    out.insert(f, cudnn)
+    return out
+
+
+def rewrite_sdpa_priorities(gm: fx.GraphModule) -> int:
+    """Put cuDNN ahead of flash in the graph's ``_sdpa_kernel(..., set_priority=True)`` calls;
+    returns how many lists changed."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.nn.attention._sdpa_kernel:
+            continue
+        if not _set_priority(node):
+            continue
+        backends = node.args[0] if node.args else node.kwargs.get("backends")
+        if not isinstance(backends, (list, tuple)):
+            continue
+        new = _reordered(list(backends))
+        if new is None:
+            continue
+        value = type(backends)(new)
+        if node.args:
+            node.args = (value, *node.args[1:])
+        else:
+            node.kwargs = {**node.kwargs, "backends": value}
+        changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("nexfort: cuDNN attention put ahead of flash in %d priority list(s)", changed)
+    return changed
