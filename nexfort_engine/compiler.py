@@ -55,6 +55,7 @@ from .fp8 import MIN_AUTO_WIDTH, Fp8LinearMode, ModuleWeights, fp8_supported, mo
 from .indexing import int32_size_args
 from .options import CompileConfig, env_switch, parse_options
 from .passes import group_norm
+from .passes.sdpa_priority import cache_marks as sdpa_cache_marks
 from .passes.sdpa_priority import device_prefers_cudnn
 from .reductions import persistent_rows
 from .settings import Settings, fp16_accumulation_pays, resolve, runtime_overrides
@@ -628,6 +629,9 @@ class CompiledModule(torch.nn.Module):
             from .passes import fp8_attention as fp8_attention_pass
 
             marks.update(fp8_attention_pass.cache_marks())
+        # a caller's sdpa_kernel block (ComfyUI 0.29+ on CUDA) traces into calls AOTAutograd's cache
+        # does not know: marked, its graphs are saved (precompiled) and warm starts load them
+        marks.update(sdpa_cache_marks())
         if marks:
             from torch._inductor import config as inductor_config
 

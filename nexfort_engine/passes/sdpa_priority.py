@@ -20,6 +20,14 @@ caller's order stays.
 
 Both are exact attention kernels (fp32 softmax statistics, 16-bit probabilities); the error of the
 compiled output against float32 is measured per model by the bench.
+
+Those two functions also made AOTAutograd's cache refuse every such graph (``check_node_safe``
+knows neither), with or without this pass: no graph of ComfyUI 0.33 could be saved (SDXL's static
+first-call graph fell back to a compile in the process, 338 s, run3 of the forty-third session)
+and every warm start would re-trace. :func:`cache_marks` names them for Inductor's
+``unsafe_marked_cacheable_functions``: what they do is fully determined by their arguments,
+constants in the graph and so in its cache key, as torch's own allowlist reasons for the autocast
+context's calls.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ import torch
 import torch.fx as fx
 from torch.nn.attention import SDPBackend
 
+from ._fx import cache_marks_for
+
 log = logging.getLogger(__name__)
 
-__all__ = ["device_prefers_cudnn", "rewrite_sdpa_priorities"]
+__all__ = ["cache_marks", "device_prefers_cudnn", "rewrite_sdpa_priorities"]
 
 #: CUDA capabilities where torch's default order puts cuDNN attention first (Hopper and datacenter
 #: Blackwell: ``check_prefer_cudnn_attention``); elsewhere flash is torch's own first choice too
@@ -42,6 +52,13 @@ CUDNN_FIRST_CAPABILITIES = ((9, 0), (10, 0), (10, 3))
 #: cuDNN that torch requires before preferring it (9.15.1 fixed sequence lengths that are not
 #: multiples of 128; torch 2.14's rule, the strictest seen): 9.19 on the device's torch 2.11
 CUDNN_MIN_VERSION = 91500
+
+
+def cache_marks() -> dict[str, str]:
+    """Inductor's ``unsafe_marked_cacheable_functions`` entries for the calls Dynamo records for an
+    ``sdpa_kernel`` block (``torch.nn.attention._sdpa_kernel`` and ``_backend_from_string``), valued
+    by their module's source (``_fx.cache_marks_for``: a torch that changes them changes the key)."""
+    return cache_marks_for((torch.nn.attention._sdpa_kernel, torch.nn.attention._backend_from_string))
 
 
 def device_prefers_cudnn(capability: tuple[int, int] | None, cudnn_version: int | None) -> bool:

@@ -179,3 +179,44 @@ def test_engine_compile_counts_and_matches_eager(fresh_stats, monkeypatch):
     off(x)
     assert fresh_stats()["models"][off.label]["sdpa_cudnn_first"] == 0  # CPU: auto is off
     torch._dynamo.reset()
+
+
+def test_cache_marks_make_the_graph_cacheable():
+    """AOTAutograd's cacheability check refuses a graph with ComfyUI's priority block unless the
+    two functions are marked (torch 2.11 then has no saved graph to serialize; 2.14 falls back to a
+    one-off key under ``enable_aot_compile``, so the check itself is what is tested here)."""
+    from torch._functorch._aot_autograd import autograd_cache
+    from torch._inductor import config as inductor_config
+
+    marks = sdpa_priority.cache_marks()
+    assert set(marks) == {"torch.nn.attention._sdpa_kernel", "torch.nn.attention._backend_from_string"}
+    assert len(set(marks.values())) == 1 and len(next(iter(marks.values()))) == 16
+    _, _, _, graphs = rewritten(rewrite_sdpa_priorities, _attention(COMFY), _qkv(), {})
+    with inductor_config.patch(unsafe_marked_cacheable_functions={}):
+        with pytest.raises(autograd_cache.BypassAOTAutogradCache, match="attention"):
+            autograd_cache.check_cacheable(graphs[0])
+    with inductor_config.patch(unsafe_marked_cacheable_functions=marks):
+        autograd_cache.check_cacheable(graphs[0])
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_inductor_saves_graphs_with_a_priority_block(fresh_stats, nx_cache):
+    """A real Inductor compile (CPU) of ComfyUI 0.33's attention path: AOTAutograd's cache stores
+    the graph although it calls ``_sdpa_kernel`` (on torch 2.11 a refused graph could not be saved:
+    SDXL's first call compiled for 338 s on an H200), and a second token count shares it."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    dynamo_counters["aot_autograd"].clear()
+    torch.manual_seed(0)
+    model = _ComfyAttention().eval()
+    cm = nexfort_engine.compile(model, {"mode": "max-optimize:cache-all", "sdpa_cudnn_first": True},
+                                cache_dir=nx_cache, label="sdpa-order-inductor")
+    for tokens in (12, 20):
+        x = torch.randn(2, tokens, 16)
+        torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-5)
+    rec = fresh_stats()["models"][cm.label]
+    assert rec["fallbacks"] == 0 and rec["compiles"] == 1 and rec["recompiles"] == 0
+    assert rec["sdpa_cudnn_first"] == 1
+    aot = dynamo_counters["aot_autograd"]
+    assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_saved"] == 1, dict(aot)
