@@ -81,6 +81,8 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             'before its first 1024² image); {"static_first": false} compiles the any-size graph at once. '
             '{"fp8_weights": true} stores the block linears\' weights in fp8 while this model runs (half '
             'the weight memory of a bf16 model, lossy; with O3 the fp8 matmuls read them directly). '
+            "On Hopper, compiled graphs run cuDNN attention ahead of flash, which newer ComfyUI puts "
+            'first (cuDNN is 1.6-1.9x faster there); {"sdpa_cudnn_first": false} keeps ComfyUI\'s order. '
             "Validated when the prompt is queued.",
         )
     )
