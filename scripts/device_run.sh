@@ -96,7 +96,13 @@ import sys, time
 t = time.time()
 import torch, triton
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+      "cudnn", torch.backends.cudnn.version(),
       "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+try:  # newer ComfyUI's kernels (0.33+): which backends loaded
+    import comfy_kitchen
+    print("comfy-kitchen backends:", {k: v.get("available") for k, v in comfy_kitchen.list_backends().items()})
+except ImportError:
+    pass
 sys.path.insert(0, sys.argv[1])
 import comfy.cli_args
 comfy.cli_args.args.cpu = not torch.cuda.is_available()
