@@ -672,7 +672,7 @@ class CompiledModule(torch.nn.Module):
             fp8_pays=fp8_pays,
             fp8_attention_capable=bool(fp8_attention_capable),
             autotune_pays=not whole_conv_net,
-            cudnn_attention_preferred=cuda and device_prefers_cudnn(capability, torch.backends.cudnn.version()),
+            cudnn_attention_preferred=device_prefers_cudnn(capability, torch.backends.cudnn.version()),
         )
         if self._nx_settings.autotune_skipped:
             counters.set_info(self._nx_label, autotune_skipped="convolutional UNet compiled whole")

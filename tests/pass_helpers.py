@@ -7,6 +7,8 @@
 - ``rewritten``: trace a function with Dynamo, apply a pass to each graph, run the rewritten
   graph with ``aot_eager``; returns what the pass found and the graphs, with eager's output.
 - ``targets``: the call targets of a graph, in order.
+- ``aot_cache_saves``: around a compile, AOTAutograd's cache must store ``count`` graphs and
+  bypass none (a bypassed cache re-traces the whole model on every warm start).
 """
 
 from __future__ import annotations
@@ -59,3 +61,15 @@ def rewritten(rewrite: Callable[[torch.fx.GraphModule], Any], fn: Callable, args
 def targets(gm: torch.fx.GraphModule) -> list:
     """The targets of the graph's function and method calls, in graph order."""
     return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+@contextlib.contextmanager
+def aot_cache_saves(count: int = 1):
+    """Assert that the compiles inside the block stored ``count`` graphs in AOTAutograd's cache and
+    bypassed it for none."""
+    from torch._dynamo.utils import counters
+
+    counters["aot_autograd"].clear()
+    yield
+    aot = counters["aot_autograd"]
+    assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_saved"] == count, dict(aot)

@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 from torch.nn.attention import SDPBackend
 
-from ._fx import cache_marks_for
+from ._fx import arg, cache_marks_for, is_call
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +70,14 @@ def device_prefers_cudnn(capability: tuple[int, int] | None, cudnn_version: int 
             and cudnn_version is not None and cudnn_version > CUDNN_MIN_VERSION)
 
 
-def _backend(arg: Any) -> SDPBackend | None:
+def _backend(item: Any) -> SDPBackend | None:
     """The backend one list element names: a constant, or Dynamo's ``_backend_from_string`` call."""
-    if isinstance(arg, SDPBackend):
-        return arg
-    if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is torch.nn.attention._backend_from_string:
-        name = arg.args[0] if arg.args else arg.kwargs.get("name")
+    if isinstance(item, SDPBackend):
+        return item
+    if is_call(item, (torch.nn.attention._backend_from_string,)):
+        name = arg(item, 0, "name")
         return getattr(SDPBackend, name, None) if isinstance(name, str) else None
     return None
-
-
-def _set_priority(node: fx.Node) -> bool:
-    if len(node.args) > 1:
-        return bool(node.args[1])
-    return bool(node.kwargs.get("set_priority", False))
 
 
 #: every backend a priority order holds: a list naming all of them is Dynamo's restore of the order
@@ -113,11 +107,9 @@ def rewrite_sdpa_priorities(gm: fx.GraphModule) -> int:
     returns how many lists changed."""
     changed = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.nn.attention._sdpa_kernel:
+        if not is_call(node, (torch.nn.attention._sdpa_kernel,)) or not arg(node, 1, "set_priority", False):
             continue
-        if not _set_priority(node):
-            continue
-        backends = node.args[0] if node.args else node.kwargs.get("backends")
+        backends = arg(node, 0, "backends")
         if not isinstance(backends, (list, tuple)):
             continue
         new = _reordered(list(backends))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from pass_helpers import rewritten
+from pass_helpers import aot_cache_saves, rewritten
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nexfort_engine
@@ -202,21 +202,19 @@ def test_cache_marks_make_the_graph_cacheable():
 @pytest.mark.inductor
 @torch.no_grad()
 def test_inductor_saves_graphs_with_a_priority_block(fresh_stats, nx_cache):
-    """A real Inductor compile (CPU) of ComfyUI 0.33's attention path: AOTAutograd's cache stores
-    the graph although it calls ``_sdpa_kernel`` (on torch 2.11 a refused graph could not be saved:
-    SDXL's first call compiled for 338 s on an H200), and a second token count shares it."""
-    from torch._dynamo.utils import counters as dynamo_counters
-
-    dynamo_counters["aot_autograd"].clear()
+    """A real Inductor compile (CPU) of ComfyUI 0.33's attention path with the list rewritten: it
+    matches eager, a second token count shares the graph, and AOTAutograd's cache stores it (on
+    torch 2.11 a refused graph could not be saved: SDXL's first call compiled for 338 s on an H200).
+    CI's torch 2.14 stores such a graph under a one-off key even without the marks, so the marks
+    themselves are checked by ``test_cache_marks_make_the_graph_cacheable``."""
     torch.manual_seed(0)
     model = _ComfyAttention().eval()
-    cm = nexfort_engine.compile(model, {"mode": "max-optimize:cache-all", "sdpa_cudnn_first": True},
-                                cache_dir=nx_cache, label="sdpa-order-inductor")
-    for tokens in (12, 20):
-        x = torch.randn(2, tokens, 16)
-        torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-5)
+    with aot_cache_saves():
+        cm = nexfort_engine.compile(model, {"mode": "max-optimize:cache-all", "sdpa_cudnn_first": True},
+                                    cache_dir=nx_cache, label="sdpa-order-inductor")
+        for tokens in (12, 20):
+            x = torch.randn(2, tokens, 16)
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-5)
     rec = fresh_stats()["models"][cm.label]
     assert rec["fallbacks"] == 0 and rec["compiles"] == 1 and rec["recompiles"] == 0
     assert rec["sdpa_cudnn_first"] == 1
-    aot = dynamo_counters["aot_autograd"]
-    assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_saved"] == 1, dict(aot)
