@@ -12,6 +12,8 @@
 * Newer ComfyUI's dynamic VRAM (its layers page weights in through ctypes calls Dynamo cannot
   trace): a model is made a regular ModelPatcher first (``clone(disable_dynamic=True)``, as its own
   TorchCompileModel does); a model that cannot be, and a VAE, run uncompiled with a warning.
+* Newer ComfyUI's allocation recorder (``--disable-comfy-compiler``, 0.34+): switched off for the
+  duration of each compiled call (:func:`comfy_allocation_recorder_off`).
 * ComfyUI 0.3.75's ``scaled_fp8`` linears (fp8 checkpoints with scales) scale the weight or the
   input, whichever is smaller: a size test Dynamo guards on, so resolutions crossing it compiled
   again. While traced, their class runs one form (:func:`one_branch_scaled_fp8`); eager calls are
@@ -28,12 +30,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import os
 import re
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,6 +79,28 @@ def cache_root() -> str:
 #: process can rebuild it without importing this pack.
 comfy_block_hook = DropKeys(
     option="transformer_options", keys=("block", "block_index"), unless=("patches", "patches_replace"))
+
+
+@contextlib.contextmanager
+def comfy_allocation_recorder_off() -> Iterator[bool]:
+    """Newer ComfyUI (0.34+, with comfy-aimdo) records each model forward's allocations ("Comfy
+    model compiler", ``--disable-comfy-compiler``): some model forwards (MiniMax, Qwen-Image 2.1,
+    LTX-AV) call ``malloc_graph_begin``/``prefetch_queue_pop`` around their blocks, whose
+    ``threading.get_ident()`` Dynamo cannot trace and whose recorded allocations a compiled graph
+    (its CUDA-graph pool) does not make. ComfyUI reads ``args.disable_comfy_compiler`` on every
+    forward, so it is set for the duration of a compiled call and put back after; on ComfyUI
+    without the option (0.3.75-0.33) nothing is touched. Yields whether it was switched off here."""
+    import comfy.cli_args
+
+    args = comfy.cli_args.args
+    if getattr(args, "disable_comfy_compiler", True) is not False:  # no such option, or already off
+        yield False
+        return
+    args.disable_comfy_compiler = True
+    try:
+        yield True
+    finally:
+        args.disable_comfy_compiler = False
 
 
 def _child_globals() -> tuple[tuple[str, str, Any], ...]:
@@ -379,7 +405,8 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
             kwargs = {k: to_device_async(v, x.device) for k, v in kwargs.items()}
             args = tuple(to_device_async(v, x.device) if i >= 2 else v for i, v in enumerate(args))
         try:
-            return executor(*args, **kwargs)
+            with comfy_allocation_recorder_off():
+                return executor(*args, **kwargs)
         finally:
             base.diffusion_model = diffusion_model
             if first:

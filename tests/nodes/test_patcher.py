@@ -103,6 +103,45 @@ def test_first_weight_patch_does_not_recompile(patcher, comfy_inproc, fresh_stat
     assert compiles[1] == compiles[0], compiles
 
 
+def test_newer_comfys_allocation_recorder_is_off_inside_a_compiled_call(patcher, unet, fresh_stats, monkeypatch):
+    """ComfyUI 0.34+ parses ``--disable-comfy-compiler`` into ``args.disable_comfy_compiler``
+    (False by default) and reads it on every model forward; the host (0.3.75) has no such option,
+    so the test gives its real ``args`` the attribute as that parser would. A second APPLY_MODEL
+    wrapper registered after nexfort's runs inside it and sees the option on, with the compiled
+    model in place; after the call, and for the original (uncompiled) model, it is off again."""
+    import comfy.cli_args
+    from comfy.patcher_extension import WrappersMP
+
+    args = comfy.cli_args.args
+    assert not hasattr(args, "disable_comfy_compiler")  # the host: nothing to switch
+    with patcher.comfy_allocation_recorder_off() as switched:
+        assert not switched and not hasattr(args, "disable_comfy_compiler")
+
+    monkeypatch.setattr(args, "disable_comfy_compiler", False, raising=False)
+    seen: list[tuple[bool, bool]] = []
+
+    def probe(executor, *a, **kw):
+        compiled = isinstance(executor.class_obj.diffusion_model, nexfort_engine.CompiledModule)
+        seen.append((compiled, args.disable_comfy_compiler))
+        return executor(*a, **kw)
+
+    c = patcher.compile_model_patcher(unet, nexfort_engine.parse_options(EAGER))
+    c.add_wrapper_with_key(WrappersMP.APPLY_MODEL, "probe", probe)
+    plain = unet.clone()
+    plain.add_wrapper_with_key(WrappersMP.APPLY_MODEL, "probe", probe)
+    ref = _sample(plain)
+    n_plain = len(seen)
+    out = _sample(c)
+    assert tm.rel_err(out, ref) <= TOL
+    assert seen[:n_plain] and all(s == (False, False) for s in seen[:n_plain])
+    assert seen[n_plain:] and all(s == (True, True) for s in seen[n_plain:]), seen
+    assert args.disable_comfy_compiler is False
+    # a user who started ComfyUI with --disable-comfy-compiler keeps it
+    args.disable_comfy_compiler = True
+    _sample(c)
+    assert args.disable_comfy_compiler is True
+
+
 def _dynamic(mp, error=None, delegate=True):
     """``mp`` as newer ComfyUI's dynamic-VRAM ModelPatcher declares itself (the host, 0.3.75, has
     none): ``is_dynamic()``, ``clone(disable_dynamic=True)`` returning a regular ModelPatcher (or
