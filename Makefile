@@ -4,6 +4,13 @@ VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 HOST ?= $(CURDIR)/.host/ComfyUI
 export NEXFORT_HOST := $(HOST)
+# The suite runs in TEST_WORKERS pytest-xdist processes (whole files per worker: files share
+# compiled models through session fixtures). libgomp's default wait policy has every idle pool
+# thread spin after each parallel region; beside another busy process (a second worker, a ComfyUI
+# server, a background compile child) that made a tiny model's sampling 10x slower (the soak
+# test: 0.5-1 s per prompt alone, 5-10 s beside a second worker). PASSIVE pool threads sleep.
+TEST_WORKERS ?= 2
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: host demo test test-fast lint clean-host
 
@@ -16,10 +23,10 @@ demo: host
 
 test: host
 	$(PY) -m ruff check .
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: host
-	$(PY) -m pytest -ra -m "not inductor and not integration and not browser" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -n $(TEST_WORKERS) --dist loadfile -m "not inductor and not integration and not browser" $(PYTEST_ARGS)
 
 lint: host
 	$(PY) -m ruff check .

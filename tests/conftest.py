@@ -19,7 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# before torch loads libgomp, for this process and every server or child it starts (see Makefile):
+# idle OpenMP pool threads sleep instead of spinning beside another busy process
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
