@@ -4,8 +4,8 @@ VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 HOST ?= $(CURDIR)/.host/ComfyUI
 export NEXFORT_HOST := $(HOST)
-# The suite runs in TEST_WORKERS pytest-xdist processes (whole files per worker: files share
-# compiled models through session fixtures). libgomp's default wait policy has every idle pool
+# The suite runs in TEST_WORKERS pytest processes side by side: tests/engine in one, the rest in the
+# other (scripts/run_tests.sh). libgomp's default wait policy has every idle pool
 # thread spin after each parallel region; beside another busy process (a second worker, a ComfyUI
 # server, a background compile child) that made a tiny model's sampling 10x slower (the soak
 # test: 0.5-1 s per prompt alone, 5-10 s beside a second worker). PASSIVE pool threads sleep.
@@ -23,10 +23,10 @@ demo: host
 
 test: host
 	$(PY) -m ruff check .
-	$(PY) -m pytest -ra -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	PY=$(PY) TEST_WORKERS=$(TEST_WORKERS) PYTEST_ARGS="$(PYTEST_ARGS)" scripts/run_tests.sh
 
 test-fast: host
-	$(PY) -m pytest -ra -n $(TEST_WORKERS) --dist loadfile -m "not inductor and not integration and not browser" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not inductor and not integration and not browser" $(PYTEST_ARGS)
 
 lint: host
 	$(PY) -m ruff check .
