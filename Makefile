@@ -5,12 +5,10 @@ PY := $(VENV)/bin/python
 HOST ?= $(CURDIR)/.host/ComfyUI
 export NEXFORT_HOST := $(HOST)
 # The suite runs in TEST_WORKERS pytest processes side by side: tests/engine in one, the rest in the
-# other (scripts/run_tests.sh). libgomp's default wait policy has every idle pool
-# thread spin after each parallel region; beside another busy process (a second worker, a ComfyUI
-# server, a background compile child) that made a tiny model's sampling 10x slower (the soak
-# test: 0.5-1 s per prompt alone, 5-10 s beside a second worker). PASSIVE pool threads sleep.
+# other (scripts/run_tests.sh). tests/conftest.py sets OMP_WAIT_POLICY=PASSIVE for pytest and all
+# it starts: libgomp's spinning idle threads made a tiny model's sampling 10x slower beside a second
+# busy process (the soak test: 0.5-1 s per prompt alone, 5-10 s beside the other pytest).
 TEST_WORKERS ?= 2
-export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: host demo test test-fast lint clean-host
 

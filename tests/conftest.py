@@ -19,7 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-# before torch loads libgomp, for this process and every server or child it starts (see Makefile):
+# before torch loads libgomp, for this process and every server or child it starts (make test runs two pytest
+# processes side by side, scripts/run_tests.sh):
 # idle OpenMP pool threads sleep instead of spinning beside another busy process
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
