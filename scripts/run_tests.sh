@@ -1,24 +1,54 @@
 #!/usr/bin/env bash
-# `make test`'s pytest: two pytest processes side by side on CI's two cores, tests/engine in one and
-# every other test in the other, each in collection order (files share state within a process:
-# session fixtures, the one ComfyUI server the integration and reliability tests take turns on,
-# Dynamo's and the engine's counters, so the split is by these two groups and never finer).
-# Each writes its own log; both are printed and the exit status is the first failure's.
+# `make test`'s pytest: two pytest processes side by side on CI's two cores, each in collection
+# order. Files share state within a process (session fixtures, the one ComfyUI server the
+# integration and reliability tests take turns on, Dynamo's and the engine's counters), so the
+# split is by whole groups of files, never finer:
+#   engine: tests/engine, less the files in MOVED;
+#   host:   every other test, then MOVED (engine files that keep their own cache dirs and share
+#           no session compile with the rest of tests/engine: they balance the two halves).
+# Both stream live, each line prefixed with its half, and each keeps its own log; a summary of
+# both ends the output. The exit status is the first failure's.
 # TEST_WORKERS=1, or any PYTEST_ARGS, runs one plain pytest instead.
 set -uo pipefail
 PY=${PY:?the venv python}
 if [[ "${TEST_WORKERS:-2}" == "1" || -n "${PYTEST_ARGS:-}" ]]; then
   exec "$PY" -m pytest -ra ${PYTEST_ARGS:-}
 fi
+cd "$(dirname "$0")/.."
+MOVED=(tests/engine/test_precompile.py tests/engine/test_fp8_stored.py tests/engine/test_fp8_weights.py)
+engine=(tests/engine)
+for f in "${MOVED[@]}"; do engine+=("--ignore=$f"); done
+host=()
+for p in tests/*; do
+  [[ "$p" == tests/engine ]] && continue
+  if [[ -d "$p" && "$p" != */__pycache__ ]] || [[ "$p" == tests/test_*.py ]]; then host+=("$p"); fi
+done
+host+=("${MOVED[@]}")
+
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/nexfort-tests.XXXXXX")
-"$PY" -m pytest -ra -p no:cacheprovider --basetemp="$tmp/engine" tests/engine >"$tmp/engine.log" 2>&1 &
+export PYTHONUNBUFFERED=1
+half() {  # name, pytest args...: runs live, prefixed, logged; returns pytest's status
+  local name=$1
+  shift
+  "$PY" -m pytest -ra -p no:cacheprovider --durations=15 --basetemp="$tmp/$name" "$@" 2>&1 \
+    | tee "$tmp/$name.log" | sed -u "s/^/[$name] /"
+  return "${PIPESTATUS[0]}"
+}
+half engine "${engine[@]}" &
 a=$!
-"$PY" -m pytest -ra -p no:cacheprovider --basetemp="$tmp/host" tests --ignore=tests/engine >"$tmp/host.log" 2>&1 &
+half host "${host[@]}" &
 b=$!
 wait $a; ra=$?
-echo "=== pytest tests/engine (exit $ra) ==="; cat "$tmp/engine.log"
 wait $b; rb=$?
-echo "=== pytest tests --ignore=tests/engine (exit $rb) ==="; cat "$tmp/host.log"
+for n in engine host; do
+  echo "=== pytest $n: summary ==="
+  if grep -q "short test summary info" "$tmp/$n.log"; then
+    sed -n '/short test summary info/,$p' "$tmp/$n.log"
+  else
+    tail -n 3 "$tmp/$n.log"
+  fi
+done
+echo "=== exit: engine $ra, host $rb ==="
 rm -rf "$tmp"
 if [[ $ra -ne 0 ]]; then exit $ra; fi
 exit $rb
