@@ -246,6 +246,24 @@ def test_compile_vae_decode_encode_equal_eager(patcher, vae, fresh_stats):
     assert patcher.compile_vae(cv, cfg).first_stage_model.inner is vae.first_stage_model
 
 
+def test_a_compiled_vae_hands_the_models_attributes_through(patcher, vae):
+    """Newer ComfyUI's ``VAE.decode`` asks ``first_stage_model`` for optional attributes with
+    ``getattr`` (0.38: ``preferred_decode_tile``, ``comfy_has_chunked_io``, ...): the stand-in
+    answers with the real model's, and a missing one stays missing (the default applies)."""
+    inner = vae.first_stage_model
+    cv = patcher.compile_vae(vae, nexfort_engine.parse_options(EAGER))
+    proxy = cv.first_stage_model
+    assert isinstance(proxy, patcher._CompiledVAEModel) and proxy.inner is inner
+    inner.preferred_decode_tile = (96, 96)
+    inner.comfy_has_chunked_io = True
+    try:
+        assert proxy.preferred_decode_tile == (96, 96) and getattr(proxy, "comfy_has_chunked_io", False) is True
+        assert getattr(proxy, "decode_output_shape", None) is None
+        assert getattr(proxy, "comfy_decode_estimate_is_reliable", "default") == "default"
+    finally:
+        del inner.preferred_decode_tile, inner.comfy_has_chunked_io
+
+
 def test_a_compiled_vae_saves_and_loads_the_vaes_own_keys(patcher, vae, tmp_path):
     """ComfyUI's VAESave / CheckpointSave write ``VAE.get_sd()``: the compiled VAE's is the
     original's, key for key, and a VAE loaded from it decodes as the original does."""
