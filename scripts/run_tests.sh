@@ -21,7 +21,10 @@ for f in "${MOVED[@]}"; do engine+=("--ignore=$f"); done
 host=()
 for p in tests/*; do
   [[ "$p" == tests/engine ]] && continue
-  if [[ -d "$p" && "$p" != */__pycache__ ]] || [[ "$p" == tests/test_*.py ]]; then host+=("$p"); fi
+  # directories, and the top-level files pytest's default python_files collects
+  if [[ -d "$p" && "$p" != */__pycache__ ]] || [[ "$p" == tests/test_*.py || "$p" == tests/*_test.py ]]; then
+    host+=("$p")
+  fi
 done
 host+=("${MOVED[@]}")
 
