@@ -64,15 +64,30 @@ def boot() -> None:
 
 
 def init_weights(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random finite weights, scaled so activations stay O(1) through a few blocks."""
+    """Random finite weights, scaled so activations stay O(1) through a few blocks.
+
+    Norm layers' scales are 1 wherever they sit: found by the module's class (GroupNorm, LayerNorm,
+    RMSNorm and ComfyUI's subclasses), not only by a parameter name containing "norm". A scale of
+    0 makes the layer's output its bias alone, and the whole model's output stops depending on
+    its input (the SD1.5 UNet's ResBlocks and its ``out.0`` GroupNorm, SD3's ``ln_q``/``ln_k``,
+    Lumina 2's ``cap_embedder.0``), which every compiled-vs-eager comparison would then pass.
+    """
     gen = torch.Generator().manual_seed(seed)
+    norm_scales = {
+        f"{mod_name}.{leaf}" if mod_name else leaf
+        for mod_name, mod in module.named_modules()
+        if "Norm" in type(mod).__name__
+        for leaf, _ in mod.named_parameters(recurse=False)
+        if leaf in ("weight", "scale")
+    }
     for name, p in module.named_parameters():
         # weights stored in fp8 (ComfyUI's weight_dtype fp8_e4m3fn) are drawn in float32 and cast
         t = p.data if p.dtype.itemsize > 1 else torch.empty(p.shape)
         if p.dim() == 0:
             t.fill_(1.0)
         elif p.dim() == 1:
-            t.fill_(1.0 if ("norm" in name or name.endswith("scale")) else 0.0)
+            norm_scale = name in norm_scales or "norm" in name or name.endswith("scale")
+            t.fill_(1.0 if norm_scale else 0.0)
             if "bias" in name:
                 t.normal_(0.0, 0.02, generator=gen)
         else:
