@@ -119,8 +119,11 @@ def api_to_ui(graph: dict, object_info: dict) -> dict:
     # links, in target order
     for nid in ids:
         node = nodes[nid]
+        optional = set(object_info[node["type"]]["input"].get("optional", {}))
         for slot, inp in enumerate(node["inputs"]):
             src = graph[nid]["inputs"].get(inp["name"])
+            if src is None and inp["name"] in optional:
+                continue  # an optional socket left open (ControlNetApplyAdvanced's vae): "link": null
             if not isinstance(src, list):
                 raise ValueError(f"node {nid} ({node['type']}): socket input {inp['name']!r} is not linked")
             src_id, src_slot = str(src[0]), int(src[1])

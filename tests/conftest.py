@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import comfy_server  # noqa: E402
 import tiny_checkpoint  # noqa: E402
+import tiny_controlnet  # noqa: E402
 import tiny_lora  # noqa: E402
 
 
@@ -91,13 +92,16 @@ def comfy_base(tmp_path_factory, tiny_ckpt) -> Path:
 @pytest.fixture(scope="session")
 def workflow_assets(comfy_host, comfy_base, tiny_ckpt) -> dict[str, Path]:
     """Every file the shipped ``workflows/api`` graphs refer to, placed in the shared base dir (the
-    checkpoint is already linked; the tiny LoRA is written next to it, without ComfyUI; the img2img
-    graph's ``example.png`` is the one ComfyUI ships in its ``input/``, as a user's ComfyUI has it)."""
-    lora = tiny_lora.ensure_tiny_lora(tiny_ckpt, comfy_base / "models" / "loras" / tiny_lora.LORA_NAME)
+    checkpoint is already linked; the tiny LoRA and ControlNet are written next to it, without
+    ComfyUI; the img2img and ControlNet graphs' ``example.png`` is the one ComfyUI ships in its
+    ``input/``, as a user's ComfyUI has it)."""
+    models = comfy_base / "models"
+    lora = tiny_lora.ensure_tiny_lora(tiny_ckpt, models / "loras" / tiny_lora.LORA_NAME)
+    controlnet = tiny_controlnet.ensure_tiny_controlnet(tiny_ckpt, models / "controlnet" / tiny_controlnet.CONTROLNET_NAME)
     image = comfy_base / "input" / "example.png"
     if not image.exists():
         shutil.copyfile(comfy_host / "input" / "example.png", image)
-    return {"checkpoints": tiny_ckpt, "loras": lora, "input": image}
+    return {"checkpoints": tiny_ckpt, "loras": lora, "controlnet": controlnet, "input": image}
 
 
 @pytest.fixture(scope="session")

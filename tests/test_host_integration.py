@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = sorted((REPO / "workflows" / "api").glob("*.json"))
 COMPILED_WORKFLOW = REPO / "workflows" / "api" / "txt2img_compiled.json"
 IMG2IMG_WORKFLOW = REPO / "workflows" / "api" / "img2img_compiled.json"
+CONTROLNET_WORKFLOW = REPO / "workflows" / "api" / "controlnet_compiled.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _seeds = itertools.count(1000)
 
@@ -132,6 +133,45 @@ def test_img2img_runs_the_compiled_encode_and_decode(comfy, workflow_assets):
         assert m["calls"] > before["models"][label]["calls"], (label, m)  # the second run called it
     assert after["compiles"] == before["compiles"] and after["recompiles"] == before["recompiles"], after
     assert after["fallbacks"] == before["fallbacks"], after["fallback_reasons"]
+
+
+def _pixels(path: Path):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
+
+
+def test_controlnet_workflow_equals_eager_and_applies_the_control(comfy, workflow_assets):
+    """The shipped ControlNet graph (the tiny ControlNet on ComfyUI's example.png, applied by
+    ControlNetApplyAdvanced): the compiled UNet's image equals the same graph's eager one, which
+    differs from the image without the ControlNet (the control reached the UNet). The ControlNet
+    itself runs in ComfyUI, uncompiled; its residuals are the compiled graph's inputs."""
+    seed = next(_seeds)
+    graph = comfy_server.set_seed(comfy_server.load_workflow(CONTROLNET_WORKFLOW), seed)
+    sampler = comfy_server.find_node(graph, "KSampler")
+    compiled_node = comfy_server.find_node(graph, "NexfortCompileModel")
+    before = _engine(comfy)
+    compiled = comfy.run(graph, timeout=900)
+    assert compiled.status.get("status_str") == "success" and compiled.images, compiled.status
+    after = _engine(comfy)
+    assert after["fallbacks"] == before["fallbacks"], after["fallback_reasons"]
+    rec = [m for m in after["models"].values() if compiled_node in map(str, m.get("node_ids", []))]
+    assert rec and all(m["state"] == "compiled" for m in rec), after["models"]
+
+    eager = json.loads(json.dumps(graph))
+    eager[sampler]["inputs"]["model"] = graph[compiled_node]["inputs"]["model"]
+    eager_result = comfy.run(eager, timeout=900)
+    plain = json.loads(json.dumps(eager))
+    apply = comfy_server.find_node(graph, "ControlNetApplyAdvanced")
+    plain[sampler]["inputs"]["positive"] = graph[apply]["inputs"]["positive"]
+    plain[sampler]["inputs"]["negative"] = graph[apply]["inputs"]["negative"]
+    plain_result = comfy.run(plain, timeout=900)
+    for r in (eager_result, plain_result):
+        assert r.status.get("status_str") == "success" and r.images, r.status
+    a, b, c = (_pixels(r.images[0]) for r in (compiled, eager_result, plain_result))
+    assert int(abs(a - b).max()) <= 2, f"compiled vs eager: max pixel difference {int(abs(a - b).max())}/255"
+    assert int(abs(b - c).max()) > 10, "the ControlNet did not change the eager image"
 
 
 def test_restart_reuses_persisted_compile_cache(comfy, nexfort_cache_dir):
