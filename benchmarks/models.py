@@ -294,6 +294,25 @@ def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, manual_cast
     return comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=device)
 
 
+def build_controlnet(spec: ModelSpec, device: torch.device, dtype: torch.dtype, manual_cast: Any,
+                     seed: int = 1) -> Any:
+    """A ``comfy.controlnet.ControlNet`` (ComfyUI's ``cldm`` ControlNet: the UNet's encoder, a hint
+    encoder and zero convolutions) sized for a UNet ``spec``, random weights, as ComfyUI's
+    ``ControlNetLoader`` builds it from a file: same dtype and operations as the model."""
+    if spec.config_class not in ("SD20", "SDXL", "SD15"):
+        raise ValueError(f"--controlnet: {spec.name} is not a UNet (sd21, sdxl)")
+    import comfy.cldm.cldm
+    import comfy.controlnet
+    import comfy.ops
+
+    config = {k: v for k, v in host_unet_config(spec).items() if k != "out_channels"}
+    config.update(hint_channels=3, operations=comfy.ops.pick_operations(dtype, manual_cast), dtype=dtype,
+                  device=device)
+    model = comfy.cldm.cldm.ControlNet(**config).to(device).eval()
+    init_weights(model, seed)
+    return comfy.controlnet.ControlNet(model, load_device=device, manual_cast_dtype=manual_cast)
+
+
 def build_fp32_twin(spec: ModelSpec, device: torch.device, source: Any) -> Any:
     """The same model in float32 (weights upcast from ``source``'s): the accuracy reference."""
     import comfy.model_patcher

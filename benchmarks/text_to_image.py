@@ -108,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "reports the first image's time (sampling + decode)")
     p.add_argument("--background-wait", type=float, default=900.0,
                    help='"background": true: sample eager for at most this many seconds waiting for the child')
+    p.add_argument("--controlnet", type=float, default=None, metavar="END_PERCENT",
+                   help="UNets: a random ControlNet (ComfyUI's cldm class) applied to both conds at strength "
+                        "0.8 from 0 to END_PERCENT of the steps, on a random control image; it runs uncompiled "
+                        "in ComfyUI, its residuals are the diffusion model's inputs")
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--output-markdown", type=Path, default=None)
     p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
@@ -234,6 +238,8 @@ class Runner:
         self.args = args
         self.spec = spec
         self.device = device
+        #: ``--controlnet``: built with the benchmarked model's dtype (benchmark()), or at first use
+        self.controlnet: Any = None
 
     def run(self, mp: Any, height: int, width: int, steps: int, text_len: int | None = None) -> tuple[Any, dict]:
         import comfy.sample
@@ -295,7 +301,24 @@ class Runner:
         latent = comfy.sample.fix_empty_latent_channels(mp, latent)
         noise = comfy.sample.prepare_noise(latent, self.args.seed)
         pos, neg = models.conditioning(self.spec, height, width, text_len)
+        if self.args.controlnet is not None:
+            self._apply_controlnet(mp, pos, neg, height, width)
         return latent, noise, pos, neg
+
+    def _apply_controlnet(self, mp: Any, pos: list, neg: list, height: int, width: int) -> None:
+        """``--controlnet``: as ControlNetApplyAdvanced does (a copy with the hint per conditioning)."""
+        import torch
+
+        from benchmarks import models
+
+        if self.controlnet is None:
+            self.controlnet = models.build_controlnet(self.spec, self.device, mp.model.get_dtype(),
+                                                      mp.model.manual_cast_dtype)
+        hint = torch.rand(1, 3, height, width, generator=torch.Generator().manual_seed(self.args.seed + 7))
+        applied = self.controlnet.copy().set_cond_hint(hint, 0.8, (0.0, self.args.controlnet))
+        for cond in (pos, neg):
+            cond[0][1]["control"] = applied
+            cond[0][1]["control_apply_to_uncond"] = False
 
     def count_flops(self, mp: Any, height: int, width: int) -> dict[str, Any]:
         """FLOPs of one sampling step: a 1-step ``comfy.sample.sample`` on a clone of the *eager*
@@ -489,6 +512,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "frames": args.frames,
         "batch": args.batch,
         "steps": args.steps,
+        "controlnet_end_percent": args.controlnet,
         "cfg": runner.cfg,
         "sampler": args.sampler,
         "scheduler": runner.scheduler,
@@ -528,6 +552,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result["build_s"] = time.perf_counter() - t0
     print(f"built {args.model} (weights on {weights_device}) in {result['build_s']:.1f} s", file=sys.stderr, flush=True)
     result["params"] = sum(p.numel() for p in mp.model.diffusion_model.parameters())
+    if args.controlnet is not None:  # before the float32 twin runs: the ControlNet in the model's dtype
+        runner.controlnet = models.build_controlnet(spec, device, dtype, manual_cast)
+        result["controlnet_params"] = sum(p.numel() for p in runner.controlnet.control_model.parameters())
 
     # float32 eager reference (same weights, upcast), freed before anything is measured
     ref32 = None
