@@ -6,10 +6,12 @@ from comfy_api.latest import ComfyExtension, io
 from typing_extensions import override
 
 from .cache_manager import NexfortCacheManager
+from .compile_controlnet import NexfortCompileControlNet
 from .compile_model import NexfortCompileModel
 from .compile_vae import NexfortCompileVAE
 
-NODES: list[type[io.ComfyNode]] = [NexfortCompileModel, NexfortCompileVAE, NexfortCacheManager]
+NODES: list[type[io.ComfyNode]] = [NexfortCompileModel, NexfortCompileVAE, NexfortCompileControlNet,
+                                   NexfortCacheManager]
 
 
 class NexfortExtension(ComfyExtension):

@@ -26,6 +26,11 @@
   through the layers' ``convert_weight``/``set_weight``, as for ComfyUI's own scaled fp8 linears.
 * VAEs: :func:`compile_vae` returns a shallow copy of the VAE whose ``first_stage_model`` is a
   proxy with compiled ``decode``/``encode`` (used by the plain and the tiled paths alike).
+* ControlNets: :func:`compile_controlnet` returns ComfyUI's own copy of the ControlNet
+  (``ControlNet.copy()``, as *Apply ControlNet* makes) whose ``control_model`` is a proxy with a
+  compiled ``forward``; its ModelPatcher (loading, offload) keeps the real module. Kinds whose model
+  is not built at load time (Control-LoRA: built at each sampling) or that are not a ``ControlNet``
+  (T2I adapters) pass through uncompiled, with a warning.
 """
 
 from __future__ import annotations
@@ -473,4 +478,74 @@ def compile_vae(vae: Any, config: CompileConfig, node_id: str | None = None) -> 
         new.first_stage_model = inner
         return new
     new.first_stage_model = _CompiledVAEModel(inner, config, node_id)
+    return new
+
+
+class _CompiledControlModel(torch.nn.Module):
+    """Stands in for a ControlNet's ``control_model``: compiled ``forward``, the rest delegated (ComfyUI
+    reads e.g. its ``dtype``). Partially offloaded (low VRAM: ComfyUI casts its weights per layer),
+    a call runs eager with one warning and a counted fallback, as a diffusion model's does."""
+
+    def __init__(self, inner: torch.nn.Module, config: CompileConfig, node_id: str | None) -> None:
+        super().__init__()
+        self.inner = inner
+        self._config = config
+        self._node_id = node_id
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self.inner
+        cm = _compiled_for(inner, self._config, type(inner).__name__)
+        counters.set_info(cm.label, node_id=self._node_id)
+        if getattr(inner, "model_lowvram", False):
+            if id(inner) not in _warned_lowvram:
+                _warned_lowvram.add(id(inner))
+                log.warning("nexfort: %s is partially offloaded (low VRAM): running eager", cm.label)
+                counters.bump(cm.label, "fallbacks")
+                counters.add_reason(cm.label, "fallback", "low-VRAM / partial offload active: ran eager")
+                counters.set_info(cm.label, state="fallback")
+            return inner(*args, **kwargs)
+        with comfy_allocation_recorder_off():
+            return cm(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.load_state_dict(*args, **kwargs)
+
+
+def compile_controlnet(control_net: Any, config: CompileConfig, node_id: str | None = None) -> Any:
+    """ComfyUI's copy of ``control_net`` (a ``comfy.controlnet.ControlNet``) whose ``control_model``
+    runs compiled; the input is untouched. Anything else is returned as it is, with a warning and a
+    counted fallback naming why."""
+    import comfy.controlnet
+
+    kind = type(control_net).__name__
+    inner = getattr(control_net, "control_model", None)
+    why = None
+    if not isinstance(control_net, comfy.controlnet.ControlNet):
+        why = f"a {kind} (only ControlNets are compiled)"
+    elif isinstance(control_net, getattr(comfy.controlnet, "ControlLora", ())) or inner is None:
+        why = f"a {kind}: its model is built at each sampling"
+    elif _is_dynamic(getattr(control_net, "control_model_wrapped", None)):
+        why = "loaded with ComfyUI's dynamic VRAM; start ComfyUI with --disable-dynamic-vram to compile it"
+    if why is not None:
+        log.warning("nexfort: the control net is %s: not compiled", why)
+        counters.bump(kind, "fallbacks")
+        counters.add_reason(kind, "fallback", f"not compiled: {why}")
+        counters.set_info(kind, state="fallback", node_id=node_id)
+        return control_net
+    if config.fp8_weights:
+        log.warning("nexfort: \"fp8_weights\" stores a diffusion model's linears in fp8; a ControlNet keeps its "
+                    "weights (ignored here)")
+    if isinstance(inner, _CompiledControlModel):
+        inner = inner.inner
+    new = control_net.copy()
+    new.control_model = _CompiledControlModel(inner, config, node_id)
     return new

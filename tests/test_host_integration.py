@@ -30,6 +30,7 @@ _seeds = itertools.count(1000)
 NODES = {
     "NexfortCompileModel": ({"model", "mode", "memory_format", "dynamic", "fuse_qkv", "options"}, ["MODEL"]),
     "NexfortCompileVAE": ({"vae", "mode", "memory_format", "dynamic", "options"}, ["VAE"]),
+    "NexfortCompileControlNet": ({"control_net", "mode", "memory_format", "dynamic", "options"}, ["CONTROL_NET"]),
     "NexfortCacheManager": ({"action", "key", "bundle_path"}, ["STRING"]),
 }
 
@@ -143,27 +144,30 @@ def _pixels(path: Path):
 
 
 def test_controlnet_workflow_equals_eager_and_applies_the_control(comfy, workflow_assets):
-    """The shipped ControlNet graph (the tiny ControlNet on ComfyUI's example.png, applied by
-    ControlNetApplyAdvanced): the compiled UNet's image equals the same graph's eager one, which
-    differs from the image without the ControlNet (the control reached the UNet). The ControlNet
-    itself runs in ComfyUI, uncompiled; its residuals are the compiled graph's inputs."""
+    """The shipped ControlNet graph (the tiny ControlNet on ComfyUI's example.png, compiled by
+    *Nexfort Compile ControlNet*, applied by ControlNetApplyAdvanced to the compiled UNet): both
+    compiled, and the image equals the same graph's eager one (both compile nodes bypassed), which
+    differs from the image without the ControlNet (the control reached the UNet)."""
     seed = next(_seeds)
     graph = comfy_server.set_seed(comfy_server.load_workflow(CONTROLNET_WORKFLOW), seed)
     sampler = comfy_server.find_node(graph, "KSampler")
+    apply = comfy_server.find_node(graph, "ControlNetApplyAdvanced")
     compiled_node = comfy_server.find_node(graph, "NexfortCompileModel")
+    compiled_cn = comfy_server.find_node(graph, "NexfortCompileControlNet")
     before = _engine(comfy)
     compiled = comfy.run(graph, timeout=900)
     assert compiled.status.get("status_str") == "success" and compiled.images, compiled.status
     after = _engine(comfy)
     assert after["fallbacks"] == before["fallbacks"], after["fallback_reasons"]
-    rec = [m for m in after["models"].values() if compiled_node in map(str, m.get("node_ids", []))]
-    assert rec and all(m["state"] == "compiled" for m in rec), after["models"]
+    for node in (compiled_node, compiled_cn):
+        rec = [m for m in after["models"].values() if node in map(str, m.get("node_ids", []))]
+        assert rec and all(m["state"] == "compiled" and m["calls"] > 0 for m in rec), (node, after["models"])
 
     eager = json.loads(json.dumps(graph))
     eager[sampler]["inputs"]["model"] = graph[compiled_node]["inputs"]["model"]
+    eager[apply]["inputs"]["control_net"] = graph[compiled_cn]["inputs"]["control_net"]
     eager_result = comfy.run(eager, timeout=900)
     plain = json.loads(json.dumps(eager))
-    apply = comfy_server.find_node(graph, "ControlNetApplyAdvanced")
     plain[sampler]["inputs"]["positive"] = graph[apply]["inputs"]["positive"]
     plain[sampler]["inputs"]["negative"] = graph[apply]["inputs"]["negative"]
     plain_result = comfy.run(plain, timeout=900)

@@ -2,7 +2,7 @@
 ``/object_info``: node types exist, ``widgets_values`` match each schema (count, order, types, combo
 options), links join existing slots of matching types, and every UI graph equals its API twin.
 
-Also: our three nodes' schemas carry a description, a ``nexfort/`` category and a tooltip per input.
+Also: our nodes' schemas carry a description, a ``nexfort/`` category and a tooltip per input.
 Nothing here runs a prompt, so these tests cost no compile.
 """
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 API_DIR = REPO / "workflows" / "api"
 UI_DIR = REPO / "workflows" / "ui"
 UI_WORKFLOWS = sorted(UI_DIR.glob("*.json"))
-OUR_NODES = ["NexfortCompileModel", "NexfortCompileVAE", "NexfortCacheManager"]
+OUR_NODES = ["NexfortCompileModel", "NexfortCompileVAE", "NexfortCompileControlNet", "NexfortCacheManager"]
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 

@@ -15,7 +15,7 @@ import { api } from "../../scripts/api.js";
 const EXTENSION = "nexfort.status";
 const STATS_ROUTE = "/nexfort/stats";
 const POLL_MS = 2000;
-const NODE_TYPES = new Set(["NexfortCompileModel", "NexfortCompileVAE", "NexfortCacheManager"]);
+const NODE_TYPES = new Set(["NexfortCompileModel", "NexfortCompileVAE", "NexfortCompileControlNet", "NexfortCacheManager"]);
 
 // Badge look per state: [label, background].
 const LOOK = {

@@ -107,3 +107,48 @@ def test_a_controlnet_that_stops_early_compiles_a_second_graph_once(patcher, com
     # one graph with the control, one without; sizes and step counts reuse them
     assert rec["compiles"] == 2 and rec["recompiles"] == 1, rec["recompile_reasons"]
     assert "control" in rec["recompile_reasons"][0], rec["recompile_reasons"]
+
+
+def _record_of_kind(stats: dict, node_id: str, kind: str) -> dict:
+    recs = [r for label, r in stats["models"].items() if node_id in r["node_ids"] and label.startswith(kind)]
+    assert len(recs) == 1, sorted(stats["models"])
+    return recs[0]
+
+
+def test_a_compiled_controlnet_equals_eager_and_compiles_once(patcher, comfy_inproc, fresh_stats, controlnet):
+    """*Nexfort Compile ControlNet*'s glue: ComfyUI's own copy of the ControlNet whose model runs
+    compiled (the input ControlNet untouched), beside a compiled UNet: the image equals eager's, and
+    strength, step count and size changes compile neither again."""
+    mp = tm.tiny_sd15(seed=11)
+    config = nexfort_engine.parse_options(OPTIONS)
+    compiled_cn = patcher.compile_controlnet(controlnet, config, node_id="ccn")
+    assert compiled_cn is not controlnet and controlnet.control_model.__class__.__name__ == "ControlNet"
+    assert compiled_cn.control_model.dtype == controlnet.control_model.dtype  # ComfyUI reads it
+    compiled = patcher.compile_model_patcher(mp, config, node_id="ccn-unet")
+    # sizes whose convolution inputs stay on one side of oneDNN's line: on the CPU a convolution's
+    # graph guards on where oneDNN takes over (input numel > 20480; the hint encoder's 256-channel
+    # conv at 64x96 is above it, at 64x64 and 64x80 not; its 96-channel one at 48x64 below, at 64x64
+    # above); GPU graphs have no such guard (README, *Dynamic shape without recompiles*)
+    for (h, w), steps, strength in [((64, 64), 3, 0.9), ((64, 80), 4, 0.5), ((80, 64), 3, 0.9)]:
+        ref = _sample(mp, controlnet, h, w, steps, strength)
+        out = _sample(compiled, compiled_cn, h, w, steps, strength)
+        assert tm.rel_err(out, ref) <= TOL, ((h, w), steps, strength, tm.rel_err(out, ref))
+    stats = fresh_stats()
+    for node_id, kind in (("ccn", "ControlNet"), ("ccn-unet", "UNetModel")):
+        rec = _record_of_kind(stats, node_id, kind)
+        assert rec["state"] == "compiled" and rec["fallbacks"] == 0, rec["fallback_reasons"]
+        assert rec["compiles"] == 1 and rec["recompiles"] == 0, (kind, rec["recompile_reasons"])
+        assert rec["calls"] >= 3 + 4 + 3 - 1, (kind, rec["calls"])  # a call per step (cond and uncond batched)
+    # compiling the compiled copy again wraps the real model, not the proxy
+    again = patcher.compile_controlnet(compiled_cn, config, node_id="ccn")
+    assert again.control_model.inner is controlnet.control_model
+
+
+def test_what_is_not_a_controlnet_passes_through_uncompiled(patcher, comfy_inproc, fresh_stats):
+    import comfy.controlnet
+
+    other = comfy.controlnet.ControlBase()  # as a T2I adapter: no control_model to compile
+    assert patcher.compile_controlnet(other, nexfort_engine.parse_options(OPTIONS), node_id="t2i") is other
+    rec = _record(fresh_stats(), "t2i")
+    assert rec["state"] == "fallback" and rec["fallbacks"] == 1
+    assert "only ControlNets are compiled" in rec["fallback_reasons"][0], rec["fallback_reasons"]
