@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="UNets: a random ControlNet (ComfyUI's cldm class) applied to both conds at strength "
                         "0.8 from 0 to END_PERCENT of the steps, on a random control image; it runs uncompiled "
                         "in ComfyUI, its residuals are the diffusion model's inputs")
+    p.add_argument("--compile-controlnet", action="store_true",
+                   help="with --controlnet and --compiler nexfort: compile the ControlNet too (Nexfort Compile "
+                        "ControlNet's glue, the same --compiler-config)")
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--output-markdown", type=Path, default=None)
     p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
@@ -226,6 +229,18 @@ def apply_compiler(mp: Any, compiler: str, config_json: str) -> Any:
     patcher = importlib.import_module("nexfort_pack.nodes.patcher")
     config = common.build_config("O2", "contiguous", True, config_json)
     return patcher.compile_model_patcher(mp, config, node_id="benchmark")
+
+
+def compile_controlnet(controlnet: Any, config_json: str) -> Any:
+    """``--compile-controlnet``: ComfyUI's copy of ``controlnet`` with its model compiled, as the
+    *Nexfort Compile ControlNet* node makes it."""
+    load_pack()
+    import importlib
+
+    common = importlib.import_module("nexfort_pack.nodes.common")
+    patcher = importlib.import_module("nexfort_pack.nodes.patcher")
+    config = common.build_config("O2", "contiguous", True, config_json)
+    return patcher.compile_controlnet(controlnet, config, node_id="benchmark-controlnet")
 
 
 # -- sampling ---------------------------------------------------------------------------------------
@@ -513,6 +528,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "steps": args.steps,
         "controlnet_end_percent": args.controlnet,
+        "controlnet_compiled": bool(args.compile_controlnet),
         "cfg": runner.cfg,
         "sampler": args.sampler,
         "scheduler": runner.scheduler,
@@ -594,6 +610,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     # the compile node's own run (with "fp8_weights": rounding the e4m3 copies), before any sampling
     t_node = time.perf_counter()
     target = apply_compiler(mp, args.compiler, args.compiler_config)
+    if args.compile_controlnet:
+        if args.compiler != "nexfort" or runner.controlnet is None:
+            raise SystemExit("--compile-controlnet needs --controlnet and --compiler nexfort")
+        runner.controlnet = compile_controlnet(runner.controlnet, args.compiler_config)
     metrics.sync(device)
     result["compile_node_s"] = round(time.perf_counter() - t_node, 4)
     decoder = Decoder(args, mp, device) if args.vae_decode else None

@@ -112,20 +112,22 @@ def test_nexfort_run(results):
 
 
 def test_controlnet_run(tmp_path):
-    """``--controlnet 0.5`` on the tiny SDXL: ComfyUI's ControlNet class runs beside the compiled UNet
-    for the first half of the steps; the compiled latent equals eager's (both with the control), and
-    the UNet compiled two graphs (with and without the ``control`` input), the second one reported
-    as a recompile that names it."""
+    """``--controlnet 0.5 --compile-controlnet`` on the tiny SDXL: ComfyUI's ControlNet class,
+    compiled by the pack's glue, runs beside the compiled UNet for the first half of the steps; the
+    compiled latent equals eager's (both with the control), the ControlNet compiled one graph and
+    the UNet two (with and without the ``control`` input), the second one reported as a recompile
+    that names it."""
     out = tmp_path / "cn.json"
     cmd = [sys.executable, str(TOOL), "--comfy-root", str(HOST), "--device", "cpu", "--tiny", "--model", "sdxl",
            "--steps", "4", "--repeat", "1", "--cache-dir", str(tmp_path / "cache"), "--output-json", str(out),
-           "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}', "--controlnet", "0.5"]
+           "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}', "--controlnet", "0.5",
+           "--compile-controlnet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     r = json.loads(out.read_text())["runs"][0]
     assert r["controlnet_end_percent"] == 0.5 and r["controlnet_params"] > 0
     assert r["fallbacks"] == 0, r["fallback_reasons"]
-    assert r["compiles"] == 2 and r["recompiles"] == 1, r["recompile_reasons"]
+    assert r["controlnet_compiled"] and r["compiles"] == 3 and r["recompiles"] == 1, r["recompile_reasons"]
     assert "control" in r["recompile_reasons"][0]
     assert r["err_vs_eager"]["finite"] and r["err_vs_eager"]["max_abs"] < 1e-3, r["err_vs_eager"]
     with pytest.raises(ValueError, match="not a UNet"):
