@@ -30,13 +30,15 @@
   (``ControlNet.copy()``, as *Apply ControlNet* makes) whose ``control_model`` is a proxy with a
   compiled ``forward``; its ModelPatcher (loading, offload) keeps the real module. Kinds whose model
   is not built at load time (Control-LoRA: built at each sampling) or that are not a ``ControlNet``
-  (T2I adapters) pass through uncompiled, with a warning.
+  (T2I adapters) pass through uncompiled, with a warning. No CUDA graphs for it (its outputs must
+  outlive the next graph's replay).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import os
@@ -544,6 +546,12 @@ def compile_controlnet(control_net: Any, config: CompileConfig, node_id: str | N
     if config.fp8_weights:
         log.warning("nexfort: \"fp8_weights\" stores a diffusion model's linears in fp8; a ControlNet keeps its "
                     "weights (ignored here)")
+    if "cudagraphs" in config.flags:
+        # its outputs are ComfyUI's until the diffusion model has run on them (merged with the
+        # previous ControlNet's, scaled in place by the strength): in a CUDA graph's memory pool the
+        # next replay of a graph overwrote them ("accessing tensor output of CUDAGraphs that has been
+        # overwritten by a subsequent run", SDXL on an H200); Inductor's plain kernels instead
+        config = dataclasses.replace(config, flags=tuple(f for f in config.flags if f != "cudagraphs"))
     if isinstance(inner, _CompiledControlModel):
         inner = inner.inner
     new = control_net.copy()

@@ -161,12 +161,14 @@ def test_inductor_code_of_a_folded_unet_has_no_runtime_floor_division(zoo, tmp_p
 
 def test_channels_last_inputs_fold_too(zoo, fresh_stats, clean_dynamo):
     """``memory_format: channels_last`` converts the latent before the fold: the split view keeps
-    the NHWC strides, the graph merges it back to a channels-last tensor, outputs equal eager."""
+    the NHWC strides, the graph merges it back to a channels-last tensor, outputs equal eager's up to
+    rounding (channels-last convolutions run other oneDNN kernels than the contiguous eager ones)."""
     mp = zoo["sd15"]
     cm = nexfort_engine.compile(
         mp.model.diffusion_model, {"mode": "O2", "backend": "eager", "memory_format": "channels_last"}, label="cl"
     )
     for h, w in [(128, 128), (192, 128)]:
-        assert torch.equal(tm.call_diffusion(mp, h, w, 2, 77, diffusion_model=cm), tm.call_diffusion(mp, h, w, 2, 77))
+        out = tm.call_diffusion(mp, h, w, 2, 77, diffusion_model=cm)
+        assert tm.rel_err(out, tm.call_diffusion(mp, h, w, 2, 77)) <= 1e-5, tm.rel_err(out, tm.call_diffusion(mp, h, w, 2, 77))
     rec = fresh_stats()["models"][cm.label]
     assert cm._nx_fold == 8 and rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]

@@ -124,6 +124,10 @@ def test_a_compiled_controlnet_equals_eager_and_compiles_once(patcher, comfy_inp
     compiled_cn = patcher.compile_controlnet(controlnet, config, node_id="ccn")
     assert compiled_cn is not controlnet and controlnet.control_model.__class__.__name__ == "ControlNet"
     assert compiled_cn.control_model.dtype == controlnet.control_model.dtype  # ComfyUI reads it
+    # its outputs outlive the next CUDA graph's replay: never in a CUDA graph's memory pool
+    on_gpu = patcher.compile_controlnet(controlnet, nexfort_engine.parse_options({"mode": "O2"}))
+    assert "cudagraphs" not in on_gpu.control_model._config.flags
+    assert "max-optimize" in on_gpu.control_model._config.flags
     compiled = patcher.compile_model_patcher(mp, config, node_id="ccn-unet")
     # sizes whose convolution inputs stay on one side of oneDNN's line: on the CPU a convolution's
     # graph guards on where oneDNN takes over (input numel > 20480; the hint encoder's 256-channel
