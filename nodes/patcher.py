@@ -322,6 +322,18 @@ def _progress(node_id: str | None, text: str) -> None:
         pass
 
 
+def _lowvram_fallback(owner: Any, label: str) -> None:
+    """A partially offloaded (low VRAM) model's call runs eager: the first time per ``owner``, one
+    warning and a counted fallback with its reason."""
+    if id(owner) in _warned_lowvram:
+        return
+    _warned_lowvram.add(id(owner))
+    log.warning("nexfort: %s is partially offloaded (low VRAM): running eager", label)
+    counters.bump(label, "fallbacks")
+    counters.add_reason(label, "fallback", "low-VRAM / partial offload active: ran eager")
+    counters.set_info(label, state="fallback")
+
+
 def _is_dynamic(patcher: Any) -> bool:
     """Whether ``patcher`` is newer ComfyUI's dynamic-VRAM ModelPatcher (0.3.75 has none)."""
     is_dynamic = getattr(patcher, "is_dynamic", None)
@@ -387,12 +399,7 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
         compiled = _compiled_for(diffusion_model, config, type(diffusion_model).__name__)
         counters.set_info(compiled.label, node_id=node_id)
         if getattr(base, "model_lowvram", False):
-            if id(base) not in _warned_lowvram:
-                _warned_lowvram.add(id(base))
-                log.warning("nexfort: %s is partially offloaded (low VRAM): running eager", compiled.label)
-                counters.bump(compiled.label, "fallbacks")
-                counters.add_reason(compiled.label, "fallback", "low-VRAM / partial offload active: ran eager")
-                counters.set_info(compiled.label, state="fallback")
+            _lowvram_fallback(base, compiled.label)
             return executor(*args, **kwargs)
         # ComfyUI re-patches weights whenever the patch set changes; in place (weight_inplace_update)
         # on inference tensors that is invisible to version counters: tell the engine
@@ -424,8 +431,9 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
     return m
 
 
-class _CompiledVAEModel(torch.nn.Module):
-    """Stands in for ``VAE.first_stage_model``: compiled ``decode``/``encode``, the rest delegated."""
+class _Proxy(torch.nn.Module):
+    """Stands in for a module ComfyUI holds outside a ModelPatcher wrapper (a VAE's, a ControlNet's):
+    the attributes ComfyUI reads and the state dict are the real module's."""
 
     def __init__(self, inner: torch.nn.Module, config: CompileConfig, node_id: str | None) -> None:
         super().__init__()
@@ -438,6 +446,18 @@ class _CompiledVAEModel(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["inner"], name)
+
+    # the module's own keys: ComfyUI's savers (VAE.get_sd(): VAESave, CheckpointSave) read the state
+    # dict, which would otherwise carry an ``inner.`` prefix
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.load_state_dict(*args, **kwargs)
+
+
+class _CompiledVAEModel(_Proxy):
+    """Stands in for ``VAE.first_stage_model``: compiled ``decode``/``encode``, the rest delegated."""
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         cm = _compiled_for(self.inner, self._config, f"{type(self.inner).__name__}.{method}", method=method)
@@ -452,14 +472,6 @@ class _CompiledVAEModel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner(*args, **kwargs)
-
-    # the VAE's own keys: ComfyUI's VAE.get_sd() (VAESave, CheckpointSave) saves and a loader reads
-    # ``first_stage_model``'s state dict, which would otherwise carry an ``inner.`` prefix
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.load_state_dict(*args, **kwargs)
 
 
 def compile_vae(vae: Any, config: CompileConfig, node_id: str | None = None) -> Any:
@@ -482,46 +494,23 @@ def compile_vae(vae: Any, config: CompileConfig, node_id: str | None = None) -> 
     return new
 
 
-class _CompiledControlModel(torch.nn.Module):
+class _CompiledControlModel(_Proxy):
     """Stands in for a ControlNet's ``control_model``: compiled ``forward``, the rest delegated (ComfyUI
     reads e.g. its ``dtype``). Partially offloaded (low VRAM: ComfyUI casts its weights per layer),
     a call runs eager with one warning and a counted fallback, as a diffusion model's does."""
-
-    def __init__(self, inner: torch.nn.Module, config: CompileConfig, node_id: str | None) -> None:
-        super().__init__()
-        self.inner = inner
-        self._config = config
-        self._node_id = node_id
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["inner"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.inner
         cm = _compiled_for(inner, self._config, type(inner).__name__)
         counters.set_info(cm.label, node_id=self._node_id)
         if getattr(inner, "model_lowvram", False):
-            if id(inner) not in _warned_lowvram:
-                _warned_lowvram.add(id(inner))
-                log.warning("nexfort: %s is partially offloaded (low VRAM): running eager", cm.label)
-                counters.bump(cm.label, "fallbacks")
-                counters.add_reason(cm.label, "fallback", "low-VRAM / partial offload active: ran eager")
-                counters.set_info(cm.label, state="fallback")
+            _lowvram_fallback(inner, cm.label)
             return inner(*args, **kwargs)
         with comfy_allocation_recorder_off():
             out = cm(*args, **kwargs)
         if "cudagraphs" in self._config.flags:
             out = _copied_out(out)
         return out
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.load_state_dict(*args, **kwargs)
 
 
 def _copied_out(out: Any) -> Any:
