@@ -45,6 +45,7 @@ from . import (
     prewarm,
     regions,
     shapes,
+    signature,
     split,
     stream,
     trace_ops,
@@ -245,6 +246,14 @@ class CompiledModule(torch.nn.Module):
         self._nx_aot_load_s = 0.0
         self._nx_recompile_reason: str | None = None
         self._nx_aot_used = False
+        #: saved graphs in use: the call structures (signature.call_signature) whose trace broke, and
+        #: why (precompile.UNSUPPORTED_CALLS); such calls run ``_nx_traced``, a torch.compile'd twin
+        self._nx_broken_calls: dict[str, str] = {}
+        self._nx_traced: Callable[..., Any] | None = None
+        #: the last call ran ``_nx_traced`` (its compiles read Inductor's cache counters as they are)
+        self._nx_last_traced = False
+        #: graph-break reasons already counted for this module (each once)
+        self._nx_breaks: list[str] = []
         self._nx_cudagraphs = False
         #: the traced graph is cut into this many parts (split.py; set while tracing), compiled by
         #: these children (part index -> job)
@@ -741,6 +750,9 @@ class CompiledModule(torch.nn.Module):
         )
         counters.set_info(self._nx_label, precompiled="on" if self._nx_aot else "off")
         if self._nx_aot:
+            self._nx_broken_calls = precompile.broken_calls(self._aot_dir())
+            if self._nx_broken_calls:
+                counters.set_info(self._nx_label, precompiled=self._precompiled_info())
             self._nx_compiled = self._call_aot
             return
         self._nx_compiled = self._torch_compiled(example)
@@ -816,6 +828,7 @@ class CompiledModule(torch.nn.Module):
         """Run the first saved graph whose guards pass; else trace a new one (a recompile); past
         :data:`MAX_PRECOMPILED`, or where the model cannot be traced as one graph, compile through
         ``torch.compile`` from then on."""
+        self._nx_last_traced = False
         example = _first_tensor(args, kwargs)
         call_args = (self._orig_mod, *shapes.fold_spatial(args, self._nx_fold, mark=False))
         artifact, why = self._aot_find(call_args, kwargs, example)
@@ -823,11 +836,14 @@ class CompiledModule(torch.nn.Module):
             return artifact(*call_args, **kwargs)
         if self._nx_fits_only:
             return _NO_FIT
+        sig = signature.call_signature(args, kwargs)
+        if sig in self._nx_broken_calls:  # traced before and broke: not tried again
+            return self._call_twin(args, kwargs, example)
         if len(self._nx_aot_artifacts) < MAX_PRECOMPILED:
             if self._nx_aot_artifacts:
                 self._nx_recompile_reason = f"precompiled graph guards: {why}"
                 log.info("nexfort: %s: no saved graph applies (%s); tracing one", self._nx_label, why)
-            artifact = self._aot_compile(args, kwargs, example)
+            artifact = self._aot_compile(args, kwargs, example, sig)
             if artifact is not None:
                 if (own := artifact.check(call_args, kwargs)) is None:
                     t0 = time.perf_counter()
@@ -835,6 +851,8 @@ class CompiledModule(torch.nn.Module):
                     counters.set_phase(self._nx_label, "first_run", time.perf_counter() - t0)
                     return out
                 self._aot_unsupported(f"its own inputs fail the saved guards: {own}")
+            elif sig in self._nx_broken_calls:  # this call's structure broke the trace, not the model
+                return self._call_twin(args, kwargs, example)
         else:
             log.warning("nexfort: %s: %d precompiled graphs; compiling through torch.compile from now on",
                         self._nx_label, MAX_PRECOMPILED)
@@ -842,9 +860,30 @@ class CompiledModule(torch.nn.Module):
         self._nx_compiled = self._torch_compiled(example)
         return self._call_traced(args, kwargs)
 
-    def _aot_compile(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> precompile.Artifact | None:
-        """Trace ``(args, kwargs)`` into one saved graph and return it ready to call (``None``: the model
-        cannot be traced so; noted in the entry, and torch.compile is used)."""
+    def _call_twin(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> Any:
+        """A call whose structure does not trace as one graph, beside saved graphs that serve the
+        others: through ``torch.compile`` (in pieces at the graph breaks)."""
+        if self._nx_traced is None:
+            self._nx_traced = self._torch_compiled(example)
+            if (self._nx_graphs or self._nx_aot_artifacts) and not self._nx_recompile_reason:  # beside others
+                reason = self._nx_broken_calls.get(signature.call_signature(args, kwargs), "")
+                self._nx_recompile_reason = f"a call structure that does not trace as one graph: {reason}"
+        self._nx_last_traced = True
+        # the caller's tensors left unmarked: a saved graph's guards check that they are
+        args, kwargs = shapes.detached(args, kwargs)
+        return self._call_traced(args, kwargs, self._nx_traced)
+
+    def _precompiled_info(self) -> str:
+        calls = self._nx_broken_calls
+        first = next(iter(calls.values()), "")
+        return f"on; {len(calls)} call structure(s) through torch.compile (the trace broke: {first})"
+
+    def _aot_compile(self, args: tuple, kwargs: dict, example: torch.Tensor | None,
+                     sig: str = "") -> precompile.Artifact | None:
+        """Trace ``(args, kwargs)`` into one saved graph and return it ready to call (``None``: it
+        cannot be traced so; noted in the entry, and torch.compile is used: for calls of the same
+        structure ``sig`` where Dynamo could not trace it whole (a graph break), for every call
+        otherwise)."""
         target = self._aot_target(example)
         graphs0 = self._nx_graphs
         taken = {p.name for p in precompile.files(self._aot_dir())}
@@ -898,7 +937,11 @@ class CompiledModule(torch.nn.Module):
             text = str(e).strip()
             # the whole message (Dynamo's names the user code that it could not trace) for debugging
             log.debug("nexfort: %s: the saved graph's trace failed:\n%s", label, text)
-            self._aot_unsupported(f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+            reason = f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+            if sig and any(signature.dynamo_trace_failure(x) for x in _exception_chain(e)):
+                self._aot_call_unsupported(sig, reason, signature.user_location(text))
+            else:
+                self._aot_unsupported(reason)
             return None
         artifact.path = path
         self._nx_aot_artifacts.append(artifact)
@@ -1048,6 +1091,37 @@ class CompiledModule(torch.nn.Module):
         with contextlib.suppress(OSError):
             atomic_write_bytes(self._aot_dir() / precompile.UNSUPPORTED, reason.encode())
 
+    def _aot_call_unsupported(self, sig: str, reason: str, where: str | None) -> None:
+        """Calls of structure ``sig`` do not trace as one graph: they compile through
+        ``torch.compile`` from now on, in this process and the next (the entry lists them)."""
+        if where:
+            reason = f"{reason} (at {where})"
+        self._nx_broken_calls[sig] = reason
+        counters.set_info(self._nx_label, precompiled=self._precompiled_info())
+        log.warning("nexfort: %s: this call does not trace as one graph (%s); calls like it compile through "
+                    "torch.compile, in pieces, the code between them eager (often a patch another node added "
+                    "to the model); other calls keep their saved graphs", self._nx_label, reason)
+        with contextlib.suppress(OSError):
+            precompile.add_broken_call(self._aot_dir(), sig, reason)
+
+    def _note_graph_breaks(self, before: dict[str, int]) -> bool:
+        """Count the graph breaks Dynamo reported since ``before`` (each reason once per module);
+        whether there were any."""
+        found = signature.graph_break_reasons(before)
+        new = [r for r in found if r not in self._nx_breaks]
+        if not new:
+            return bool(found)
+        if not self._nx_breaks:
+            log.warning("nexfort: %s: the traced graph breaks (%s): it compiles in pieces, the code between "
+                        "them running eager and each piece compiled again as its inputs change (often a patch "
+                        "another node added to the model); the Cache Manager lists the reasons",
+                        self._nx_label, new[0])
+        self._nx_breaks.extend(new)
+        counters.bump(self._nx_label, "graph_breaks", len(new))
+        for reason in new:
+            counters.add_reason(self._nx_label, "graph_break", reason)
+        return True
+
     def _torch_compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return torch.compile(
             fn,
@@ -1125,6 +1199,7 @@ class CompiledModule(torch.nn.Module):
         graphs0 = self._nx_graphs
         hit0, miss0 = _fx_counters()
         skips0 = _cudagraph_skips() if self._nx_cudagraphs else 0
+        breaks0 = signature.graph_break_counts()
         if self._nx_cudagraphs:  # CUDA-graph trees' per-thread state, where another thread imported them
             adopt_cudagraph_trees()
         if self._nx_fp8 is not None:  # outside the graph: CUDA-graph replays skip the op's Python
@@ -1152,16 +1227,18 @@ class CompiledModule(torch.nn.Module):
             counters.set_phase(self._nx_label, "settle", settle)
             dt += settle
         if new:
+            broke = self._note_graph_breaks(breaks0)
             hit1, miss1 = _fx_counters()
-            self._after_compile(new, dt, hit1 - hit0, miss1 - miss0)
+            self._after_compile(new, dt, hit1 - hit0, miss1 - miss0, broke)
         elif loaded:
             self._after_load(dt)
         else:
             counters.add_seconds(self._nx_label, "compiled_call", dt)
         return out
 
-    def _call_traced(self, args: tuple, kwargs: dict) -> Any:
-        assert self._nx_compiled is not None
+    def _call_traced(self, args: tuple, kwargs: dict, fn: Callable[..., Any] | None = None) -> Any:
+        fn = fn if fn is not None else self._nx_compiled
+        assert fn is not None
         dynamic = self._nx_config.dynamic
         if dynamic:  # marks are read only when Dynamo (re)compiles
             shapes.mark_dynamic_dims(args, kwargs)
@@ -1172,7 +1249,7 @@ class CompiledModule(torch.nn.Module):
         # each resolution, and torch's AOTAutograd cache then served a width x height call the
         # graph compiled for height x width (BENCHMARKS.md, thirty-fifth session, item 3)
         with trace_ops.standing_in(False, symbolic_linspace=dynamic):
-            return self._nx_compiled(*args, **kwargs)
+            return fn(*args, **kwargs)
 
     def _after_load(self, seconds: float) -> None:
         """The first call ran a graph loaded from the cache: nothing was traced or compiled."""
@@ -1199,13 +1276,14 @@ class CompiledModule(torch.nn.Module):
         if self._nx_conv_weights.refresh():
             counters.set_info(self._nx_label, channels_last_weights=self._nx_conv_weights.converted)
 
-    def _after_compile(self, new: int, seconds: float, hits: int, misses: int) -> None:
+    def _after_compile(self, new: int, seconds: float, hits: int, misses: int, broke: bool = False) -> None:
         label = self._nx_label
         # (a loaded graph, or a static_first twin's, ran first)
         first = self._nx_graphs == new and not self._nx_aot_used and not self._nx_static_ran
         counters.bump(label, "compiles", new)
-        # a first call makes one graph, or one per region under regional compilation
-        recompiles = max(0, new - (len(self._nx_regions) or 1)) if first else new
+        # a first call makes one graph, or one per region under regional compilation, or one per
+        # piece where its trace broke (graph_breaks)
+        recompiles = (0 if broke else max(0, new - (len(self._nx_regions) or 1))) if first else new
         if recompiles and self._nx_static_ran and not self._nx_recompile_reason:
             self._nx_recompile_reason = "static_first: a shape the static graph does not fit, and no dynamic graph " \
                 "from the background compile"
@@ -1213,7 +1291,7 @@ class CompiledModule(torch.nn.Module):
             counters.bump(label, "recompiles", recompiles)
             reason, self._nx_recompile_reason = self._nx_recompile_reason or _last_recompile_reason(), None
             counters.add_reason(label, "recompile", reason)
-        if self._nx_aot:
+        if self._nx_aot and not self._nx_last_traced:
             # a precompiled graph is traced and compiled whole, bypassing Inductor's cache; the
             # parts compile workers made load through that cache, and read as its hits (SD2.1's
             # cold compile in six parts reported 5 hits and 0 misses, run185)

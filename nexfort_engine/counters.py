@@ -28,6 +28,10 @@ COUNTERS = (
     # "static_first": calls of a shape the static graph does not fit, run eager while the dynamic
     # graph compiled in the background
     "static_first_eager_calls",
+    # graph breaks Dynamo reported while tracing this model (each distinct reason once): the model
+    # then compiles in pieces, the code between them running eager (usually a model patch another
+    # node added that Dynamo cannot trace: ``Tensor.item()`` on the sigma, random tile sizes)
+    "graph_breaks",
 )
 
 _lock = threading.Lock()
@@ -38,6 +42,7 @@ class _Record:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     recompile_reasons: list[str] = field(default_factory=list)
     fallback_reasons: list[str] = field(default_factory=list)
+    graph_break_reasons: list[str] = field(default_factory=list)
     compile_seconds: float = 0.0
     compiled_call_seconds: float = 0.0
     state: str = "pending"
@@ -122,6 +127,7 @@ class _Record:
         d.update(
             recompile_reasons=list(self.recompile_reasons),
             fallback_reasons=list(self.fallback_reasons),
+            graph_break_reasons=list(self.graph_break_reasons),
             compile_seconds=round(self.compile_seconds, 3),
             compiled_call_seconds=round(self.compiled_call_seconds, 4),
             state=self.state,
@@ -186,7 +192,7 @@ def bump(label: str, counter: str, n: int = 1) -> None:
 
 
 def add_reason(label: str, kind: str, reason: str) -> None:
-    """kind: 'recompile' or 'fallback'."""
+    """kind: 'recompile', 'fallback' or 'graph_break'."""
     with _lock:
         rec = _models.setdefault(label, _Record())
         _append(getattr(rec, f"{kind}_reasons"), reason)

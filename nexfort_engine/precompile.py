@@ -48,6 +48,7 @@ import hashlib
 import importlib
 import inspect
 import io
+import json
 import logging
 import math
 import pickle
@@ -61,6 +62,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch._guards import Source
 
+from .cache.store import atomic_write_bytes
+
 log = logging.getLogger(__name__)
 
 #: bump when the file layout below changes: older files are then ignored (stale)
@@ -70,6 +73,10 @@ DIRNAME = "aot"
 #: written instead of artifacts when the model cannot be traced as one graph: the engine then
 #: compiles through ``torch.compile`` without trying again
 UNSUPPORTED = "unsupported.txt"
+#: the calls whose trace failed, by their structure (signature.call_signature): {signature: why}.
+#: A graph break usually comes from what the call carries (another node's patch), not from the
+#: model: those calls compile through ``torch.compile``, the others keep their saved graphs
+UNSUPPORTED_CALLS = "unsupported_calls.json"
 #: guard types torch's own AOT path drops as unserialisable (``CheckFunctionManager``)
 _UNSERIALIZABLE = ("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH",
                    "CLOSURE_MATCH", "WEAKREF_ALIVE")
@@ -650,3 +657,20 @@ def files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted((p for p in directory.glob("*.bin")), key=lambda p: int(p.stem) if p.stem.isdigit() else 0)
+
+
+def broken_calls(directory: Path) -> dict[str, str]:
+    """The call signatures :data:`UNSUPPORTED_CALLS` lists under ``directory`` (unreadable: none)."""
+    try:
+        data = json.loads((directory / UNSUPPORTED_CALLS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def add_broken_call(directory: Path, sig: str, reason: str) -> None:
+    """Record that calls of signature ``sig`` cannot be traced as one graph (atomic rewrite)."""
+    calls = broken_calls(directory)
+    calls[sig] = reason
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(directory / UNSUPPORTED_CALLS, json.dumps(calls, indent=1, sort_keys=True).encode())

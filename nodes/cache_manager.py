@@ -119,7 +119,8 @@ def report(store: CacheStore, message: str = "") -> str:
         if m.get("autotune_skipped"):
             how += f", max-autotune left off ({m['autotune_skipped']})"
         lines.append(f"  {label}: {m['state']}, compiles={m['compiles']}, recompiles={m['recompiles']}, "
-                     f"hits={m['cache_hits']} ({how})")
+                     f"hits={m['cache_hits']}"
+                     + (f", graph breaks={m['graph_breaks']}" if m.get("graph_breaks") else "") + f" ({how})")
         if phases := [f"{name} {m['compile_phases'][key]:.1f}s" for key, name in _PHASES
                       if key in (m.get("compile_phases") or {})]:  # where the first call's time went
             lines.append("    first call: " + ", ".join(phases))
@@ -149,6 +150,10 @@ def report(store: CacheStore, message: str = "") -> str:
             lines.append(f"    recompile: {r}")
         for r in m["fallback_reasons"][-3:]:
             lines.append(f"    fallback: {r}")
+        for r in m.get("graph_break_reasons", [])[-3:]:  # the graph compiled in pieces (a patch, usually)
+            lines.append(f"    graph break: {r}")
+        if m.get("precompiled", "").startswith("on; "):  # some calls' structure did not trace whole
+            lines.append(f"    saved graphs: {m['precompiled']}")
     return "\n".join(lines)
 
 

@@ -33,6 +33,8 @@ _ENGINE_COUNTERS: dict[str, Any] = {
     "cache_misses": 0,
     "fallbacks": 0,
     "fallback_reasons": [],
+    "graph_breaks": 0,
+    "graph_break_reasons": [],
     "cudagraph_skips": 0,
     "static_first_eager_calls": 0,
     "compile_seconds": 0.0,

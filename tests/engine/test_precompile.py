@@ -198,16 +198,23 @@ CHILD = textwrap.dedent('''
     def other_act(x):
         return torch.tanh(x)
 
+    def sigma_gate(h, sigma):  # a patch as ComfyUI's nodes write them: the sigma read on the host
+        if sigma[0].item() > 0.5:
+            return h * 2
+        return h
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
             self.proj = torch.nn.Linear(8, 8)
 
-        def forward(self, x, scale=None):
+        def forward(self, x, scale=None, options=None):
             h = act(self.conv(x))
             if BREAK:
                 torch._dynamo.graph_break()
+            if options is not None:
+                h = options["patch"](h, options["sigma"])
             t = self.proj(h.flatten(2).transpose(1, 2))
             return t.transpose(1, 2).reshape(h.shape)
 
@@ -221,6 +228,11 @@ CHILD = textwrap.dedent('''
     torch.testing.assert_close(cm(x), net(x), rtol=1e-4, atol=1e-4)
     if mode == "patch":  # a node monkeypatching a function the graph inlined
         act = other_act
+        torch.testing.assert_close(cm(x), net(x), rtol=1e-4, atol=1e-4)
+    if mode == "patched":  # calls with a patch that breaks the trace, between plain ones
+        for sigma in (1.0, 0.2):
+            opts = {"patch": sigma_gate, "sigma": torch.tensor([sigma])}
+            torch.testing.assert_close(cm(x, options=opts), net(x, options=opts), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cm(x), net(x), rtol=1e-4, atol=1e-4)
     if mode == "shapes":
         for shape in [(2, 4, 8, 12), (1, 4, 8, 8)]:
@@ -335,14 +347,43 @@ def test_stale_graph_is_removed_and_traced_again(child, tmp_path):
 def test_graph_break_and_opt_out_compile_through_torch_compile(child, tmp_path):
     cache = tmp_path / "cache"
     broken = _run(child, cache, "break", tmp_path)
-    assert broken["fallbacks"] == 0 and broken["info"]["precompiled"].startswith("off:"), broken
+    assert broken["fallbacks"] == 0, broken
+    assert broken["info"]["precompiled"].startswith("on; 1 call structure(s) through torch.compile"), broken
+    assert broken["graph_breaks"] >= 1 and broken["info"]["graph_break_reasons"], broken
     aot = Path(broken["artifacts"]) / precompile.DIRNAME
-    assert (aot / precompile.UNSUPPORTED).exists() and precompile.files(aot) == []
-    again = _run(child, cache, "break", tmp_path)  # not tried again
-    assert again["info"]["precompiled"] == "off" and again["fallbacks"] == 0
+    marker = aot / precompile.UNSUPPORTED_CALLS
+    assert marker.exists() and precompile.files(aot) == []
+    written = marker.stat().st_mtime_ns
+    again = _run(child, cache, "break", tmp_path)  # not traced as one graph again
+    assert again["info"]["precompiled"].startswith("on; 1 call structure(s)") and again["fallbacks"] == 0, again
+    assert marker.stat().st_mtime_ns == written
     off = _run(child, tmp_path / "off", "plain", tmp_path, NEXFORT_PRECOMPILE="0")
     assert off["info"]["precompiled"] == "off" and off["compiles"] == 1 and off["fallbacks"] == 0
     assert not (Path(off["artifacts"]) / precompile.DIRNAME).exists()
+
+
+@pytest.mark.inductor
+def test_a_call_whose_patch_breaks_the_trace_keeps_saved_graphs_for_the_others(child, tmp_path):
+    """A graph break that comes with the call (a patch in its options reading a tensor's value on
+    the host, as Kohya Deep Shrink's does), not with the model: those calls compile through
+    torch.compile (counted graph breaks, the reason named), the plain calls keep their saved graph,
+    in this process and in the next, which does not trace the broken structure again."""
+    cache = tmp_path / "cache"
+    cold = _run(child, cache, "patched", tmp_path)
+    info = cold["info"]
+    assert cold["fallbacks"] == 0, cold
+    assert info["precompiled"].startswith("on; 1 call structure(s) through torch.compile"), info["precompiled"]
+    assert "sigma_gate" in info["precompiled"], info["precompiled"]  # where the trace broke
+    assert info["precompiled_graphs"] == 1 and info["graph_breaks"] >= 1, info
+    assert any("item()" in r for r in info["graph_break_reasons"]), info["graph_break_reasons"]
+    aot = Path(cold["artifacts"]) / precompile.DIRNAME
+    assert [p.name for p in precompile.files(aot)] == ["0.bin"]
+    assert len(precompile.broken_calls(aot)) == 1 and not (aot / precompile.UNSUPPORTED).exists()
+    written = (aot / precompile.UNSUPPORTED_CALLS).stat().st_mtime_ns
+    warm = _run(child, cache, "patched", tmp_path)
+    assert warm["fallbacks"] == 0 and warm["cache_hits"] >= 1, warm
+    assert warm["info"]["precompiled_graphs"] == 1, warm["info"]  # the plain calls: the saved graph
+    assert (aot / precompile.UNSUPPORTED_CALLS).stat().st_mtime_ns == written  # not traced whole again
 
 
 OPS_CHILD = textwrap.dedent('''

@@ -94,3 +94,19 @@ def test_report_shows_the_prewarm(cache_manager, tmp_path, fresh_stats, monkeypa
                                              "failed": 2, "seconds": 1.66})
     text = cache_manager.report(CacheStore(tmp_path))
     assert "prewarm: done, 698 of 700 modules loaded in 1.7s, 2 failed" in text
+
+
+def test_report_names_graph_breaks_and_the_calls_saved_graphs_do_not_serve(cache_manager, tmp_path, fresh_stats):
+    counters.set_info("UNetModel:cc", state="compiled", precompiled="on")
+    counters.bump("UNetModel:cc", "compiles")
+    text = cache_manager.report(CacheStore(tmp_path))
+    assert "graph break" not in text and "saved graphs:" not in text
+    counters.bump("UNetModel:cc", "graph_breaks")
+    counters.add_reason("UNetModel:cc", "graph_break", "Unsupported Tensor.item() call with capture_scalar_outputs=False")
+    counters.set_info("UNetModel:cc", precompiled="on; 1 call structure(s) through torch.compile (the trace broke: "
+                      "UserError: x (at comfy_extras/nodes_model_downscale.py:37 in input_block_patch))")
+    text = cache_manager.report(CacheStore(tmp_path))
+    assert "compiles=1, recompiles=0, hits=0, graph breaks=1 (" in text
+    assert "    graph break: Unsupported Tensor.item() call with capture_scalar_outputs=False" in text
+    assert "    saved graphs: on; 1 call structure(s) through torch.compile" in text
+    assert "nodes_model_downscale.py:37 in input_block_patch" in text
