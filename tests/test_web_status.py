@@ -69,10 +69,11 @@ def _workflow() -> dict:
     }
 
 
-def _fake_stats(state: str, hits: int = 3, fallbacks: int = 0, skips: int = 0) -> dict:
+def _fake_stats(state: str, hits: int = 3, fallbacks: int = 0, skips: int = 0, breaks: int = 0) -> dict:
     model = {"compiles": 1, "recompiles": 0, "recompile_reasons": [], "cache_hits": hits, "cache_misses": 1,
              "fallbacks": fallbacks, "fallback_reasons": ["boom"] * fallbacks, "compile_seconds": 1.5,
-             "cudagraph_skips": skips, "state": state, "node_ids": [str(COMPILE_ID)]}
+             "cudagraph_skips": skips, "graph_breaks": breaks, "graph_break_reasons": ["item()"] * breaks,
+             "state": state, "node_ids": [str(COMPILE_ID)]}
     engine = {k: v for k, v in model.items() if k not in ("state", "node_ids")}
     engine["models"] = {} if state == "idle" else {"diffusion_model": model}
     cache = [{"key": "abc", "label": "diffusion_model", "size_bytes": 10, "hits": 4, "last_used": 0.0},
@@ -270,17 +271,18 @@ def test_badge_shows_real_state_of_compiled_workflow(page, server, compiled_stat
 
 
 @pytest.mark.parametrize(
-    ("state", "fallbacks", "skips", "texts"),
-    [("idle", 0, 0, ("not run yet",)),
-     ("compiling", 0, 0, ("compiling",)),
-     ("background", 0, 0, ("compiling in background",)),
-     ("compiled", 0, 0, ("compiled", "3 cache hits")),
-     ("fallback", 2, 0, ("fell back", "2 fallbacks")),
-     ("compiled", 0, 2, ("compiled", "2 CUDA-graph skips"))],  # graphs run kernel by kernel
+    ("state", "fallbacks", "skips", "breaks", "texts"),
+    [("idle", 0, 0, 0, ("not run yet",)),
+     ("compiling", 0, 0, 0, ("compiling",)),
+     ("background", 0, 0, 0, ("compiling in background",)),
+     ("compiled", 0, 0, 0, ("compiled", "3 cache hits")),
+     ("fallback", 2, 0, 0, ("fell back", "2 fallbacks")),
+     ("compiled", 0, 2, 0, ("compiled", "2 CUDA-graph skips")),  # graphs run kernel by kernel
+     ("compiled", 0, 0, 1, ("compiled", "1 graph break"))],  # compiled in pieces (a patch, usually)
 )
-def test_badge_follows_stats(page, tmp_path, state, fallbacks, skips, texts):
+def test_badge_follows_stats(page, tmp_path, state, fallbacks, skips, breaks, texts):
     """Every state the engine reports is drawn (stats served by the test through request routing)."""
-    body = json.dumps(_fake_stats(state, fallbacks=fallbacks, skips=skips))
+    body = json.dumps(_fake_stats(state, fallbacks=fallbacks, skips=skips, breaks=breaks))
     page.route("**/nexfort/stats", lambda route: route.fulfill(status=200, content_type="application/json",
                                                                body=body))
     try:

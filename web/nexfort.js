@@ -80,6 +80,9 @@ export function statusFor(node, body = stats) {
   // CUDA graphs not replayed: the compiled model ran kernel by kernel (slower, still correct)
   const skips = sum("cudagraph_skips");
   if (skips > 0) parts.push(plural(skips, "CUDA-graph skip"));
+  // the traced graph broke (a patch Dynamo cannot trace, usually): compiled in pieces
+  const breaks = sum("graph_breaks");
+  if (breaks > 0) parts.push(plural(breaks, "graph break"));
   return { state, text: `nexfort: ${parts.join(" · ")}`, color: LOOK[state]?.[1] ?? LOOK.pending[1] };
 }
 
