@@ -145,6 +145,9 @@ def nexfort_counts() -> dict[str, Any]:
         "cache_misses": int(s.get("cache_misses", 0)),
         "recompile_reasons": list(s.get("recompile_reasons", []))[-10:],
         "fallback_reasons": list(s.get("fallback_reasons", []))[-10:],
+        # the traced graph broke (a model patch Dynamo cannot trace, usually): compiled in pieces
+        "graph_breaks": int(s.get("graph_breaks", 0)),
+        "graph_break_reasons": list(s.get("graph_break_reasons", []))[-10:],
         "compile_seconds": float(s.get("compile_seconds", 0.0)),
         # "background": true - each model's child process (state, its wall time until done)
         "background": {k: m["background"] for k, m in s.get("models", {}).items() if m.get("background")},

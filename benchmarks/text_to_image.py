@@ -115,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-controlnet", action="store_true",
                    help="with --controlnet and --compiler nexfort: compile the ControlNet too (Nexfort Compile "
                         "ControlNet's glue, the same --compiler-config)")
+    p.add_argument("--patch", choices=sorted(PATCH_NODES), default=None,
+                   help="a ComfyUI model-patch node applied to the model every sampling (also the eager and "
+                        "float32 references), after the compiler as a workflow places it: " + "; ".join(
+                            f"{k}: {v[1]} {v[2]}" for k, v in sorted(PATCH_NODES.items())))
     p.add_argument("--output-json", type=Path, default=None)
     p.add_argument("--output-markdown", type=Path, default=None)
     p.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
@@ -212,6 +216,30 @@ class Decoder:
         return time.perf_counter() - t0
 
 
+#: ``--patch``: name -> (comfy_extras module, node class, inputs); SDXL-style settings
+PATCH_NODES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "freeu_v2": ("nodes_freelunch", "FreeU_V2", {"b1": 1.3, "b2": 1.4, "s1": 0.9, "s2": 0.2}),
+    "pag": ("nodes_pag", "PerturbedAttentionGuidance", {"scale": 3.0}),
+    "sag": ("nodes_sag", "SelfAttentionGuidance", {"scale": 0.5, "blur_sigma": 2.0}),
+    "deepshrink": ("nodes_model_downscale", "PatchModelAddDownscale", {
+        "block_number": 3, "downscale_factor": 2.0, "start_percent": 0.0, "end_percent": 0.35,
+        "downscale_after_skip": True, "downscale_method": "bicubic", "upscale_method": "bicubic"}),
+    "hypertile": ("nodes_hypertile", "HyperTile", {"tile_size": 256, "swap_size": 2, "max_depth": 0,
+                                                   "scale_depth": False}),
+}
+
+
+def apply_patch(mp: Any, name: str) -> Any:
+    """``--patch``: ``mp`` through ComfyUI's node (classic or V3 schema), as a workflow runs it."""
+    import importlib
+
+    module, cls_name, inputs = PATCH_NODES[name]
+    cls = getattr(importlib.import_module(f"comfy_extras.{module}"), cls_name)
+    if hasattr(cls, "FUNCTION"):
+        return getattr(cls(), cls.FUNCTION)(model=mp, **inputs)[0]
+    return cls.execute(model=mp, **inputs).args[0]
+
+
 def apply_compiler(mp: Any, compiler: str, config_json: str) -> Any:
     """A clone of ``mp`` compiled the way each node does it (the original stays eager)."""
     if compiler == "none":
@@ -262,6 +290,8 @@ class Runner:
         from benchmarks import metrics
 
         args = self.args
+        if args.patch:
+            mp = apply_patch(mp, args.patch)
         latent, noise, pos, neg = self.inputs(mp, height, width, text_len)
         timer = metrics.StepTimer(self.device)
         metrics.sync(self.device)
@@ -529,6 +559,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "controlnet_end_percent": args.controlnet,
         "controlnet_compiled": bool(args.compile_controlnet),
+        "patch": args.patch,
         "cfg": runner.cfg,
         "sampler": args.sampler,
         "scheduler": runner.scheduler,

@@ -19,8 +19,10 @@ allocates them zero-filled: a trace depends on that metadata, not on the values.
 child a second copy of the weights in device memory while it compiles. Graphs that bake the
 weights in (the ``freezing`` flag) would bake zeros, so that flag is never compiled here. Engine
 wrappers found inside the module (the node layer keeps its compiled modules in the module's
-``__dict__``) travel as ``None``. Whatever cannot be pickled (a lambda inside the inputs, a tensor
-subclass) raises :class:`Unavailable`, and the caller compiles in the foreground instead.
+``__dict__``) travel as ``None``. A function defined inside another function travels as its code
+only, where the host marked it :data:`CARRIED` (not called by the model). Whatever cannot be
+pickled (a patch closure or lambda inside the inputs, a tensor subclass) raises
+:class:`Unavailable`, and the caller compiles in the foreground instead.
 
 The child watches its parent and exits when the parent does. It exits at once after writing its
 report (:func:`exit_now`): the parent waits for its exit (its device memory) before it loads the
@@ -93,6 +95,16 @@ CHILD_OMP_WAIT_POLICY = "PASSIVE"
 ENV_CHILD_OMP_WAIT_POLICY = "NEXFORT_CHILD_OMP_WAIT_POLICY"
 
 
+#: the attribute a host sets on a function it puts among a call's inputs to be carried, not called
+#: by the model (ComfyUI's wrapper of the node layer): such a function travels as a stand-in (its
+#: code, no closure values; :func:`_stand_in`). Any other function defined inside another function
+#: or lambda among the inputs keeps the compile in the foreground: a child would trace it without
+#: its closure values and globals and save a graph that ignores them (Kohya Deep Shrink's patch reads
+#: its block number and sigma range from its closure; the child's graph of it skipped the downscale
+#: and the parent, whose guards match the function by name and code, ran it: BENCHMARKS.md, run272)
+CARRIED = "__nexfort_carried__"
+
+
 class Unavailable(RuntimeError):
     """This call cannot be compiled in a child process (the message says why)."""
 
@@ -139,8 +151,8 @@ def _stand_in(module: str, qualname: str, code: bytes) -> Callable[..., Any]:
     """The child's side of a function defined inside another function (a host's wrapper closure
     among the call's options) or a lambda, which pickle cannot send: a function with the same module,
     qualified name and code object - what a saved graph's guards compare - but empty globals and
-    closure cells. Such functions are carried along, not called, by the models seen so far; a
-    trace that does call one fails in the child, and the parent compiles in its foreground."""
+    closure cells. Only functions the host marks :data:`CARRIED` (carried along, not called by the
+    model) travel so; any other makes :func:`dumps` raise :class:`Unavailable`."""
     code_obj = marshal.loads(code)
     closure = tuple(types.CellType() for _ in code_obj.co_freevars) or None
     fn = types.FunctionType(code_obj, {"__builtins__": builtins, "__name__": module}, code_obj.co_name, None, closure)
@@ -157,6 +169,10 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch.Tensor):
             return _reduce_tensor(obj)
         if isinstance(obj, types.FunctionType) and ("<locals>" in obj.__qualname__ or "<lambda>" in obj.__qualname__):
+            if not getattr(obj, CARRIED, False):
+                raise Unavailable(f"a function defined inside another function among the call's inputs "
+                                  f"({obj.__module__}.{obj.__qualname__}, a model patch?): a child would trace it "
+                                  "without its closure values")
             return _stand_in, (obj.__module__, obj.__qualname__, marshal.dumps(obj.__code__))
         if self._skip and isinstance(obj, self._skip):
             return _none, ()

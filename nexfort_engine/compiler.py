@@ -1443,10 +1443,14 @@ class CompiledModule(torch.nn.Module):
             return out
         self._nx_static_ran = True
         shape = tuple(example.shape) if example is not None else ()
-        if not twin._nx_aot:  # compiled through torch.compile: its guards are not ours to check
+        if not twin._nx_aot or twin._nx_broken_calls:  # through torch.compile: its guards are not ours to check
             self._nx_first_pending = True
-            counters.set_info(self._nx_label, static_first=f"static graph for {shape} not kept: no saved graph "
+            why = "its trace broke (graph breaks)" if twin._nx_broken_calls else "no saved graph"
+            counters.set_info(self._nx_label, static_first=f"static graph for {shape} not kept: {why} "
                               f"({twin.label}); the next call compiles the dynamic graph")
+            if twin._nx_broken_calls:
+                self._nx_recompile_reason = ("static_first: the static graph's trace broke; the dynamic graph "
+                                             "compiles in pieces too")
             return out
         twin._nx_fits_only = True
         # not a submodule (its state dict would repeat the model's)

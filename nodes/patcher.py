@@ -50,6 +50,7 @@ import torch
 
 import nexfort_engine
 from nexfort_engine import counters
+from nexfort_engine.background import CARRIED
 from nexfort_engine.cache import ENV_CACHE_DIR
 from nexfort_engine.fp8_weights import Fp8StoredLinear, storable, stored_copy
 from nexfort_engine.options import CompileConfig
@@ -426,6 +427,9 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
                 rec = counters.snapshot()["models"].get(compiled.label, {})
                 _progress(node_id, f"nexfort: {rec.get('state', '?')} ({rec.get('compile_seconds', 0):.1f}s)")
 
+    # among every call's transformer_options, called by ComfyUI around the model, never by it: a
+    # background compile's child may get it without its closure (background.CARRIED)
+    setattr(nexfort_apply_model, CARRIED, True)
     m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, nexfort_apply_model)
     m.model_options["nexfort_config"] = config.to_dict()
     return m

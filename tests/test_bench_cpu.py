@@ -134,6 +134,24 @@ def test_controlnet_run(tmp_path):
         _bench_module("models").build_controlnet(_bench_module("models").get_spec("flux", tiny=True), None, None, None)
 
 
+def test_patch_run(tmp_path):
+    """``--patch pag`` on the tiny SDXL: ComfyUI's Perturbed-Attention Guidance node on the compiled
+    model (and on the eager reference): the latent equals eager's; the guidance pass's other options
+    compile a second graph, once; nothing breaks the graph."""
+    out = tmp_path / "pag.json"
+    cmd = [sys.executable, str(TOOL), "--comfy-root", str(HOST), "--device", "cpu", "--tiny", "--model", "sdxl",
+           "--steps", "3", "--repeat", "1", "--cache-dir", str(tmp_path / "cache"), "--output-json", str(out),
+           "--compiler", "nexfort", "--compiler-config", '{"backend": "eager"}', "--patch", "pag"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    r = json.loads(out.read_text())["runs"][0]
+    assert r["patch"] == "pag" and r["fallbacks"] == 0, r["fallback_reasons"]
+    assert r["compiles"] == 2 and r["graph_breaks"] == 0, (r["recompile_reasons"], r["graph_break_reasons"])
+    assert r["err_vs_eager"]["finite"] and r["err_vs_eager"]["max_abs"] < 1e-3, r["err_vs_eager"]
+    with pytest.raises(SystemExit):
+        _bench_module("text_to_image").parse_args(["--patch", "nope"])
+
+
 def test_weights_on_the_cpu_need_the_cpu_as_offload_device():
     tool = _bench_module("text_to_image")
     assert tool.parse_args(["--weights-device", "cpu", "--offload-device", "cpu"]).weights_device == "cpu"

@@ -84,6 +84,9 @@ def test_tensors_travel_as_values_or_metadata():
     def local_fn(x):  # a closure: what ComfyUI's wrappers are
         return x + outer
 
+    setattr(local_fn, background.CARRIED, True)  # carried by the inputs, not called by the model
+    setattr(_LAMBDA, background.CARRIED, True)
+
     class Skipped:
         pass
 
@@ -104,6 +107,21 @@ def test_tensors_travel_as_values_or_metadata():
     with pytest.raises(NameError):
         fn(1)
     assert back["lam"].__qualname__ == "<lambda>" and back["lam"].__code__.co_code == _LAMBDA.__code__.co_code
+
+
+def test_a_patch_closure_among_the_inputs_does_not_travel():
+    """A function the model calls (a patch another node put among the options) would be traced by
+    the child without its closure values: the job is refused, naming it, and the compile stays in
+    the caller's process."""
+    sigma_end = 0.35
+
+    def input_block_patch(h, options):
+        return h if options["sigma"] < sigma_end else h * 2
+
+    with pytest.raises(background.Unavailable, match="input_block_patch.*without its closure values"):
+        background.dumps({"transformer_options": {"patches": {"input_block_patch": [input_block_patch]}}})
+    with pytest.raises(background.Unavailable, match="<lambda>"):
+        background.dumps({"f": lambda h: h * sigma_end})
 
 
 def test_what_cannot_travel_is_named():
