@@ -825,9 +825,11 @@ class CompiledModule(torch.nn.Module):
         return dict(self._nx_settings.inductor) if self._nx_settings is not None else None
 
     def _call_aot(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the first saved graph whose guards pass; else trace a new one (a recompile); past
-        :data:`MAX_PRECOMPILED`, or where the model cannot be traced as one graph, compile through
-        ``torch.compile`` from then on."""
+        """Run the first saved graph whose guards pass; else trace a new one (a recompile). A call
+        whose structure does not trace as one graph (a patch among its inputs, usually) compiles
+        through ``torch.compile`` (:meth:`_call_twin`), and so does every call like it; past
+        :data:`MAX_PRECOMPILED`, or where a saved graph fails its own inputs' guards, every call does
+        from then on."""
         self._nx_last_traced = False
         example = _first_tensor(args, kwargs)
         call_args = (self._orig_mod, *shapes.fold_spatial(args, self._nx_fold, mark=False))
