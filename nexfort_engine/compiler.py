@@ -840,7 +840,7 @@ class CompiledModule(torch.nn.Module):
             return _NO_FIT
         sig = signature.call_signature(args, kwargs)
         if sig in self._nx_broken_calls:  # traced before and broke: not tried again
-            return self._call_twin(args, kwargs, example)
+            return self._call_twin(args, kwargs, example, sig)
         if len(self._nx_aot_artifacts) < MAX_PRECOMPILED:
             if self._nx_aot_artifacts:
                 self._nx_recompile_reason = f"precompiled graph guards: {why}"
@@ -854,7 +854,7 @@ class CompiledModule(torch.nn.Module):
                     return out
                 self._aot_unsupported(f"its own inputs fail the saved guards: {own}")
             elif sig in self._nx_broken_calls:  # this call's structure broke the trace, not the model
-                return self._call_twin(args, kwargs, example)
+                return self._call_twin(args, kwargs, example, sig)
         else:
             log.warning("nexfort: %s: %d precompiled graphs; compiling through torch.compile from now on",
                         self._nx_label, MAX_PRECOMPILED)
@@ -862,14 +862,14 @@ class CompiledModule(torch.nn.Module):
         self._nx_compiled = self._torch_compiled(example)
         return self._call_traced(args, kwargs)
 
-    def _call_twin(self, args: tuple, kwargs: dict, example: torch.Tensor | None) -> Any:
+    def _call_twin(self, args: tuple, kwargs: dict, example: torch.Tensor | None, sig: str) -> Any:
         """A call whose structure does not trace as one graph, beside saved graphs that serve the
         others: through ``torch.compile`` (in pieces at the graph breaks)."""
         if self._nx_traced is None:
             self._nx_traced = self._torch_compiled(example)
             if (self._nx_graphs or self._nx_aot_artifacts) and not self._nx_recompile_reason:  # beside others
-                reason = self._nx_broken_calls.get(signature.call_signature(args, kwargs), "")
-                self._nx_recompile_reason = f"a call structure that does not trace as one graph: {reason}"
+                self._nx_recompile_reason = ("a call structure that does not trace as one graph: "
+                                             f"{self._nx_broken_calls[sig]}")
         self._nx_last_traced = True
         # the caller's tensors left unmarked: a saved graph's guards check that they are
         args, kwargs = shapes.detached(args, kwargs)
