@@ -226,7 +226,43 @@ PATCH_NODES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "downscale_after_skip": True, "downscale_method": "bicubic", "upscale_method": "bicubic"}),
     "hypertile": ("nodes_hypertile", "HyperTile", {"tile_size": 256, "swap_size": 2, "max_depth": 0,
                                                    "scale_depth": False}),
+    # not a ComfyUI node: custom nodes' pattern (ComfyUI_IPAdapter_plus's CrossAttentionPatch), see HostSigmaAttn2
+    "ipadapter_like": ("", "HostSigmaAttn2", {"weight": 0.7, "tokens": 16}),
 }
+
+
+class HostSigmaAttn2:
+    """An attn2 replacement like IPAdapter's (a custom node, not installable here): cross-attention
+    as usual, plus ``weight`` × attention to ``tokens`` extra keys and values (here taken from the
+    prompt's, at half scale, in place of projected image embeddings), only while the sigma, read on
+    the host with ``.item()`` in every call, is inside the patch's window. The host read breaks
+    Dynamo's graph in every cross-attention layer."""
+
+    def __init__(self, weight: float, tokens: int, sigma_start: float = 1e9, sigma_end: float = 0.0) -> None:
+        self.weight, self.tokens, self.sigma_start, self.sigma_end = weight, tokens, sigma_start, sigma_end
+
+    def __call__(self, q: Any, k: Any, v: Any, extra_options: dict) -> Any:
+        from comfy.ldm.modules.attention import optimized_attention
+
+        out = optimized_attention(q, k, v, extra_options["n_heads"])
+        sigma = extra_options["sigmas"].detach().cpu()[0].item() if "sigmas" in extra_options else 1e9
+        if self.sigma_end <= sigma <= self.sigma_start:
+            ip_k, ip_v = k[:, : self.tokens] * 0.5, v[:, : self.tokens] * 0.5
+            out = out + self.weight * optimized_attention(q, ip_k, ip_v, extra_options["n_heads"])
+        return out.to(dtype=q.dtype)
+
+
+def _attn2_positions(mp: Any) -> list[tuple[str, int, int]]:
+    """(block, number, transformer index) of every cross-attention in ``mp``'s UNet, in ComfyUI's
+    ``set_model_attn2_replace`` terms."""
+    out = []
+    unet = mp.model.diffusion_model
+    for kind, blocks in (("input", unet.input_blocks), ("middle", [unet.middle_block]), ("output", unet.output_blocks)):
+        for n, block in enumerate(blocks):
+            for layer in block:
+                for i, _ in enumerate(getattr(layer, "transformer_blocks", [])):
+                    out.append((kind, 0 if kind == "middle" else n, i))
+    return out
 
 
 def apply_patch(mp: Any, name: str) -> Any:
@@ -234,6 +270,12 @@ def apply_patch(mp: Any, name: str) -> Any:
     import importlib
 
     module, cls_name, inputs = PATCH_NODES[name]
+    if cls_name == "HostSigmaAttn2":
+        m = mp.clone()
+        patch = HostSigmaAttn2(**inputs)
+        for kind, n, i in _attn2_positions(m):
+            m.set_model_attn2_replace(patch, kind, n, i)
+        return m
     cls = getattr(importlib.import_module(f"comfy_extras.{module}"), cls_name)
     if hasattr(cls, "FUNCTION"):
         return getattr(cls(), cls.FUNCTION)(model=mp, **inputs)[0]

@@ -21,7 +21,8 @@ weights in (the ``freezing`` flag) would bake zeros, so that flag is never compi
 wrappers found inside the module (the node layer keeps its compiled modules in the module's
 ``__dict__``) travel as ``None``. A function defined inside another function travels as its code
 only, where the host marked it :data:`CARRIED` (not called by the model). Whatever cannot be
-pickled (a patch closure or lambda inside the inputs, a tensor subclass) raises
+pickled (a patch closure or lambda inside the inputs, a tensor subclass), or is marked
+:data:`FOREGROUND` (it serves host code only the host's process has), raises
 :class:`Unavailable`, and the caller compiles in the foreground instead.
 
 The child watches its parent and exits when the parent does. It exits at once after writing its
@@ -103,6 +104,9 @@ ENV_CHILD_OMP_WAIT_POLICY = "NEXFORT_CHILD_OMP_WAIT_POLICY"
 #: its block number and sigma range from its closure; the child's graph of it skipped the downscale
 #: and the parent, whose guards match the function by name and code, ran it: BENCHMARKS.md, run272)
 CARRIED = "__nexfort_carried__"
+#: a class attribute of objects a call's inputs may hold that only the host's process can serve
+#: (a host call's stand-in: host_call.py): the compile stays in the host's process
+FOREGROUND = "__nexfort_foreground__"
 
 
 class Unavailable(RuntimeError):
@@ -174,6 +178,9 @@ class _Pickler(pickle.Pickler):
                                   f"({obj.__module__}.{obj.__qualname__}, a model patch?): a child would trace it "
                                   "without its closure values")
             return _stand_in, (obj.__module__, obj.__qualname__, marshal.dumps(obj.__code__))
+        if getattr(type(obj), FOREGROUND, False):
+            raise Unavailable(f"{type(obj).__module__}.{type(obj).__qualname__} among the call's inputs serves host "
+                              "code only this process has")
         if self._skip and isinstance(obj, self._skip):
             return _none, ()
         return NotImplemented

@@ -40,6 +40,7 @@ from . import (
     background,
     collector,
     counters,
+    host_call,
     intraop,
     precompile,
     prewarm,
@@ -313,11 +314,15 @@ class CompiledModule(torch.nn.Module):
             counters.set_phase(self._nx_label, "dynamo_trace", time.perf_counter() - self._nx_trace_t0)
             self._nx_trace_t0 = 0.0
         streamer, self._nx_stream = self._nx_stream, None
-        if streamer is not None and (streamed := self._streamed_split(streamer, gm)) is not None:
+        hosted = host_call.in_graph(gm)  # compiled whole, here, without CUDA graphs (host_call.py)
+        if hosted:
+            counters.set_info(self._nx_label, host_calls=sum(
+                1 for n in gm.graph.nodes if n.op == "call_function" and n.target in (host_call.OP, host_call.OP.default)))
+        if streamer is not None and not hosted and (streamed := self._streamed_split(streamer, gm)) is not None:
             self._nx_graphs += 1
             return streamed
         self._graph_passes(gm)
-        if self._nx_parts > 1:
+        if self._nx_parts > 1 and not hosted:
             try:
                 compiled = self._compile_split(gm, example_inputs)
             except Exception as e:
@@ -647,6 +652,8 @@ class CompiledModule(torch.nn.Module):
             marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
             if marked is not None:  # torch versions without it bypass AOTAutograd's cache
                 patches["unsafe_marked_cacheable_functions"] = {**marked, **marks}
+        if host_call.in_graph(gm):  # a replay would skip the host code
+            patches["triton.cudagraphs"] = False
         if self._nx_config.fuse_qkv_projections:
             from .passes.fuse_qkv import FuseQKVPass
 

@@ -73,6 +73,10 @@ class _Record:
     fp8_stored_weights: int = 0
     #: linears the host swapped for layers storing their weight in e4m3 (``"fp8_weights"``, fp8_weights.py)
     fp8_weight_layers: int = 0
+    #: host calls in the last graph compiled (host_call.py), and the attention patches the host
+    #: swapped for them in the last call (the node layer's host_patches.py)
+    host_calls: int = 0
+    host_patches: int = 0
     #: conv weights converted to channels-last outside the graph so far (weight_layout.py)
     channels_last_weights: int = 0
     #: ahead-of-time graphs (precompile.py): "on", "off" or "off: <why>"; graphs traced or loaded
@@ -146,6 +150,8 @@ class _Record:
             sdpa_cudnn_first=self.sdpa_cudnn_first,
             fp8_stored_weights=self.fp8_stored_weights,
             fp8_weight_layers=self.fp8_weight_layers,
+            host_calls=self.host_calls,
+            host_patches=self.host_patches,
             channels_last_weights=self.channels_last_weights,
             precompiled=self.precompiled,
             precompiled_graphs=self.precompiled_graphs,

@@ -346,7 +346,7 @@ def _layout(v: Any) -> Any:
 def _ours(target: Any) -> bool:
     """A function or op the engine's graph passes put into graphs."""
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return target.namespace == "nexfort"
+        return str(target).startswith("nexfort.")  # a packet has no ``namespace``
     return str(getattr(target, "__module__", "")).startswith("nexfort_engine")
 
 

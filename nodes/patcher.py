@@ -49,13 +49,15 @@ from typing import Any
 import torch
 
 import nexfort_engine
-from nexfort_engine import counters
+from nexfort_engine import counters, host_call
 from nexfort_engine.background import CARRIED
 from nexfort_engine.cache import ENV_CACHE_DIR
 from nexfort_engine.fp8_weights import Fp8StoredLinear, storable, stored_copy
 from nexfort_engine.options import CompileConfig
 from nexfort_engine.regions import DropKeys
 from nexfort_engine.transfer import to_device_async
+
+from . import host_patches
 
 log = logging.getLogger(__name__)
 
@@ -418,8 +420,22 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
         if isinstance(x, torch.Tensor) and x.is_cuda:
             kwargs = {k: to_device_async(v, x.device) for k, v in kwargs.items()}
             args = tuple(to_device_async(v, x.device) if i >= 2 else v for i, v in enumerate(args))
+        # attention patches that read the host (IPAdapter's and the like): host calls in one graph
+        options = args[5] if len(args) > 5 else kwargs.get("transformer_options")
+        options, live = host_patches.prepare(options)
+        if live is not None:
+            if len(args) > 5:
+                args = (*args[:5], options, *args[6:])
+            else:
+                kwargs["transformer_options"] = options
+            n = sum(len(t) for t in live[1].values())
+            if compiled.__dict__.get("_nexfort_host_patches") != n:
+                compiled.__dict__["_nexfort_host_patches"] = n
+                counters.set_info(compiled.label, host_patches=n)
+                log.info("nexfort: %s: %d attention patch(es) read the sigma on the host (IPAdapter-like): "
+                         "they run as host calls inside one graph, without CUDA graphs", compiled.label, n)
         try:
-            with comfy_allocation_recorder_off():
+            with comfy_allocation_recorder_off(), host_call.live(live):
                 return executor(*args, **kwargs)
         finally:
             base.diffusion_model = diffusion_model

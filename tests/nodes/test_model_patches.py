@@ -113,3 +113,89 @@ def test_a_comfyui_patch_node_on_a_compiled_model_gives_eagers_image(patcher, co
         # the graph breaks at the host read; the pieces compile, the image is still eager's
         assert rec["graph_breaks"] >= 1, rec
         assert any("item()" in r for r in rec["graph_break_reasons"]), rec["graph_break_reasons"]
+
+
+class _HostSigmaAttn2:
+    """An attn2 replacement as custom nodes write them (ComfyUI_IPAdapter_plus's CrossAttentionPatch,
+    not installable here): cross-attention plus ``weight`` x attention to extra keys and values,
+    only while the sigma, read on the host with ``.item()`` in every call, is inside the window."""
+
+    def __init__(self, weight: float, sigma_start: float = 1e9, sigma_end: float = 0.0) -> None:
+        self.weight, self.sigma_start, self.sigma_end = weight, sigma_start, sigma_end
+        self.calls = 0
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_options: dict) -> torch.Tensor:
+        from comfy.ldm.modules.attention import optimized_attention
+
+        self.calls += 1
+        out = optimized_attention(q, k, v, extra_options["n_heads"])
+        sigma = extra_options["sigmas"].detach().cpu()[0].item()
+        if self.sigma_end <= sigma <= self.sigma_start:
+            b, _, oh, ow = extra_options["original_shape"]  # set by the UNet while it runs
+            assert b == q.shape[0] and extra_options["block"][0] in ("input", "middle", "output")
+            ip = optimized_attention(q, k[:, :4] * 0.5, v[:, :4] * 0.5, extra_options["n_heads"])
+            out = out + self.weight * ip
+        return out.to(dtype=q.dtype)
+
+
+def _host_patched(mp: Any, patch: _HostSigmaAttn2) -> Any:
+    m = mp.clone()
+    unet = m.model.diffusion_model
+    for kind, blocks in (("input", unet.input_blocks), ("middle", [unet.middle_block]), ("output", unet.output_blocks)):
+        for n, block in enumerate(blocks):
+            for layer in block:
+                for i, _ in enumerate(getattr(layer, "transformer_blocks", [])):
+                    m.set_model_attn2_replace(patch, kind, 0 if kind == "middle" else n, i)
+    return m
+
+
+def test_an_attention_patch_that_reads_the_sigma_on_the_host_keeps_one_graph(patcher, comfy_inproc, fresh_stats):
+    """IPAdapter-style patches read the sigma with ``.item()`` in every cross-attention layer:
+    traced as they are, the graph breaks in each one (0.58x eager on SDXL, run274). The glue swaps
+    them, for the call, for host calls (nodes/host_patches.py): one graph, no graph break, eager's
+    image; another window, weight, patch object, size or step count compiles nothing."""
+    host_patches = __import__(patcher.__name__.rsplit(".", 1)[0] + ".host_patches", fromlist=["x"])
+    mp = tm.tiny_sd15(seed=11)
+    config = nexfort_engine.parse_options(OPTIONS)
+    compiled = patcher.compile_model_patcher(mp, config, node_id="host-sigma")
+    plain = _unpatched(mp)
+    # the whole schedule inside the window, then a window over part of it (the branch flips per step)
+    for kwargs, (h, w, steps) in (({"weight": 0.7}, (64, 64, 3)), ({"weight": 0.4, "sigma_start": 5.0}, (64, 96, 4))):
+        patch = _HostSigmaAttn2(**kwargs)
+        ref = _sample(_host_patched(mp, _HostSigmaAttn2(**kwargs)), h, w, steps)
+        out = _sample(_host_patched(compiled, patch), h, w, steps)
+        assert tm.rel_err(out, ref) <= TOL, tm.rel_err(out, ref)
+        assert patch.calls == 7 * steps  # each of the tiny UNet's 7 cross-attentions, every step, on the host
+    assert tm.rel_err(_sample(_host_patched(compiled, _HostSigmaAttn2(0.7))), plain) > 1e-2
+    rec = _record(fresh_stats(), "host-sigma")
+    assert rec["state"] == "compiled" and rec["fallbacks"] == 0, rec["fallback_reasons"]
+    assert rec["graph_breaks"] == 0, rec["graph_break_reasons"]
+    assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec["recompile_reasons"]
+    assert rec["host_patches"] == 7 and rec["host_calls"] == 7, rec
+    # a replacement that reads nothing on the host (as ComfyUI's own) stays in the graph as it is
+    from comfy.ldm.modules.attention import optimized_attention
+
+    assert not host_patches.reads_host(optimized_attention)
+    assert host_patches.reads_host(_HostSigmaAttn2(1.0))
+
+    class Helper:  # the read in another method of the patch's class
+        def window(self, sigmas: torch.Tensor) -> list:
+            return sigmas.tolist()
+
+        def __call__(self, q: Any, k: Any, v: Any, extra: dict) -> Any:
+            return q
+
+    assert host_patches.reads_host(Helper()) and host_patches.reads_host(Helper().__call__)
+
+
+def test_a_host_call_carries_the_options_the_unet_sets_while_it_runs(patcher, comfy_inproc):
+    host_patches = __import__(patcher.__name__.rsplit(".", 1)[0] + ".host_patches", fromlist=["x"])
+    values = {"block": ("output", 4), "block_index": 0, "transformer_index": 2, "original_shape": [2, 4, 8, 12],
+              "n_heads": 2, "dim_head": 16, "attn_precision": torch.float32, "activations_shape": None,
+              "cond_or_uncond": [1, 0]}  # not carried: it comes from the live options
+    ints: list[Any] = []
+    parts = ["attn2"] + [f"{k}={host_patches._encode(values[k], ints)}" for k in host_patches.TRACED_KEYS
+                         if k in values]
+    kind, decoded = host_patches.decode("\x1f".join(parts), ints)
+    assert kind == "attn2" and decoded == {k: v for k, v in values.items() if k != "cond_or_uncond"}
+    assert host_patches._encode(object(), []) is None and host_patches._encode(("a", object()), []) is None

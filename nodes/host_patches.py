@@ -1,0 +1,216 @@
+"""Attention replacements that read the host, run as host calls inside the compiled UNet.
+
+Custom nodes such as IPAdapter (ComfyUI_IPAdapter_plus), InstantID and PuLID put an ``attn1`` or
+``attn2`` *replace* patch on every attention layer of a UNet (``set_model_attn2_replace``). Each
+call reads the step's sigma on the host (``extra_options["sigmas"].detach().cpu()[0].item()``) and
+applies its extra attention only inside its start/end window. Dynamo cannot trace the read: the
+graph breaks in every layer, and the compiled SDXL UNet ran at 0.58x eager, ComfyUI's own compile at
+0.62x (run274).
+
+Here such a patch is swapped, for the call, for :class:`HostAttention` of its kind: traced, it is one
+``nexfort::host_call`` op shaped like the query (the replace patch's contract: ComfyUI feeds its
+result to the layer's ``to_out``). At run time the op finds the call's *own* patch at that layer in
+the options ComfyUI passed (:func:`prepare` hands them over through ``host_call.live``) and calls it
+eagerly with the options it would have got. The UNet stays one graph; the patch's sigma test, its
+weights, its images and its window never reach a guard, so changing them compiles nothing.
+
+Which patches: those whose code reads a tensor's value on the host (``.item()``, ``.tolist()``
+among the names its code, its nested code or its class's methods use). Patches Dynamo can trace
+(ComfyUI's own, e.g. Perturbed-Attention Guidance's) stay as they are, compiled into the graph.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from nexfort_engine import host_call
+
+RESOLVER = "comfyui.attention_replace"
+KINDS = ("attn1", "attn2")
+#: what ComfyUI's UNet sets in its options while it runs (openaimodel.py, attention.py) or adds for
+#: the layer (BasicTransformerBlock): the op carries their traced values, the rest come live
+TRACED_KEYS = ("block", "block_index", "transformer_index", "original_shape", "activations_shape",
+               "n_heads", "dim_head", "attn_precision")
+HOST_READS = frozenset({"item", "tolist"})
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+_verdicts: dict[Any, bool] = {}
+
+
+def _codes(patch: Any) -> list[types.CodeType]:
+    """The code objects of ``patch``: a function's (a partial's function's), or every method of the
+    class of a callable object or of a bound method's object."""
+    fn = getattr(patch, "func", None) if not isinstance(patch, (types.FunctionType, types.MethodType)) else None
+    target = fn if callable(fn) else patch
+    if isinstance(target, types.MethodType):
+        target = target.__self__
+    if isinstance(target, types.FunctionType):
+        return [target.__code__]
+    out = []
+    for klass in type(target).__mro__:
+        if klass is object:
+            continue
+        for value in vars(klass).values():
+            value = getattr(value, "__func__", value)
+            if isinstance(value, types.FunctionType):
+                out.append(value.__code__)
+    return out
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def reads_host(patch: Any) -> bool:
+    """Whether ``patch``'s code reads a tensor's value on the host (see the module docstring)."""
+    codes = _codes(patch)
+    key = tuple(codes)
+    if key not in _verdicts:
+        _verdicts[key] = any(_names(c) & HOST_READS for c in codes)
+    return _verdicts[key]
+
+
+class HostAttention:
+    """Stands in for a host-reading ``kind`` replace patch at every layer (one instance per kind, so
+    a new patch object, e.g. another IPAdapter weight, meets the same guards). Its call runs the
+    call's own patch, which only ComfyUI's process has: no background compile's child traces it."""
+
+    __nexfort_foreground__ = True  # nexfort_engine.background.FOREGROUND
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_options: dict) -> torch.Tensor:
+        ints: list[Any] = []
+        parts = [self.kind]
+        for key in TRACED_KEYS:
+            if key in extra_options:
+                code = _encode(extra_options[key], ints)
+                if code is not None:
+                    parts.append(key + "=" + code)
+        return host_call.call([q, k, v], RESOLVER, ints, "\x1f".join(parts))
+
+    def __copy__(self) -> HostAttention:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> HostAttention:
+        return self
+
+
+STAND_INS = {kind: HostAttention(kind) for kind in KINDS}
+
+
+def _encode(value: Any, ints: list[Any]) -> str | None:
+    """``value`` as a short code (integers, symbolic while tracing, go to ``ints``); ``None``
+    for what the op cannot carry."""
+    if value is None:
+        return "n"
+    if isinstance(value, bool):
+        return "b1" if value else "b0"
+    if isinstance(value, (int, torch.SymInt)):
+        ints.append(value)
+        return "i"
+    if isinstance(value, str):
+        return "s" + str(len(value)) + ":" + value
+    if isinstance(value, torch.dtype):
+        for name, dtype in _DTYPES.items():
+            if value == dtype:
+                return "d" + name + ";"
+        return None
+    if isinstance(value, (list, tuple)):
+        inner = []
+        for item in value:
+            code = _encode(item, ints)
+            if code is None:
+                return None
+            inner.append(code)
+        return ("l" if isinstance(value, list) else "t") + str(len(inner)) + ":" + "".join(inner)
+    return None
+
+
+def _decode(code: str, pos: int, ints: list[int], at: list[int]) -> tuple[Any, int]:
+    tag = code[pos]
+    if tag == "n":
+        return None, pos + 1
+    if tag == "b":
+        return code[pos + 1] == "1", pos + 2
+    if tag == "i":
+        at[0] += 1
+        return ints[at[0] - 1], pos + 1
+    if tag == "d":
+        end = code.index(";", pos)
+        return _DTYPES[code[pos + 1:end]], end + 1
+    colon = code.index(":", pos)
+    n = int(code[pos + 1:colon])
+    pos = colon + 1
+    if tag == "s":
+        return code[pos:pos + n], pos + n
+    items = []
+    for _ in range(n):
+        item, pos = _decode(code, pos, ints, at)
+        items.append(item)
+    return (items if tag == "l" else tuple(items)), pos
+
+
+def decode(spec: str, ints: list[int]) -> tuple[str, dict[str, Any]]:
+    """``(kind, {key: value})`` from a :class:`HostAttention` call's spec and integers."""
+    kind, *parts = spec.split("\x1f")
+    at = [0]
+    values = {}
+    for part in parts:
+        key, _, code = part.partition("=")
+        values[key], _ = _decode(code, 0, ints, at)
+    return kind, values
+
+
+def _resolve(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.Tensor:
+    state = host_call.current()
+    if state is None:
+        raise host_call.HostCallError("a host-reading attention patch ran outside a nexfort-compiled "
+                                      "ComfyUI model call (no live options)")
+    options, originals = state
+    kind, traced = decode(spec, ints)
+    extra = {k: v for k, v in options.items() if k not in ("patches", "patches_replace")}
+    extra.update(traced)
+    table = originals.get(kind, {})
+    block = traced.get("block")
+    patch = None
+    if block is not None:
+        patch = table.get((block[0], block[1], traced.get("block_index", 0)), table.get(tuple(block)))
+    if patch is None:
+        raise host_call.HostCallError(f"no {kind} replace patch for {block} in this call's options")
+    q, k, v = tensors
+    return patch(q, k, v, extra)
+
+
+host_call.register(RESOLVER, _resolve)
+
+
+def prepare(options: Any) -> tuple[Any, Any]:
+    """``(options for the compiled model, state for host_call.live)`` for one model call: a copy of
+    ComfyUI's ``transformer_options`` with each host-reading attention replace patch swapped for its
+    stand-in, and the originals; ``(options, None)`` where there is none."""
+    if not isinstance(options, dict):
+        return options, None
+    replace = options.get("patches_replace")
+    if not isinstance(replace, dict) or not any(k in replace for k in KINDS):
+        return options, None
+    originals, swapped = {}, dict(replace)
+    for kind in KINDS:
+        table = replace.get(kind)
+        if not isinstance(table, dict) or not any(reads_host(p) for p in table.values()):
+            continue
+        originals[kind] = table
+        swapped[kind] = {key: (STAND_INS[kind] if reads_host(p) else p) for key, p in table.items()}
+    if not originals:
+        return options, None
+    new = dict(options)
+    new["patches_replace"] = swapped
+    return new, (new, originals)

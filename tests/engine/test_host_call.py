@@ -1,0 +1,107 @@
+"""``nexfort::host_call``: host code (a ``.item()`` read and a branch on it) kept inside one compiled
+graph as an opaque op, against its eager twin (the resolver called directly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nexfort_engine import background, host_call
+
+
+def _gate(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.Tensor:
+    """Reads the sigma on the host and branches on it, as IPAdapter's attention patch does."""
+    x, sigmas = tensors
+    sigma = sigmas.detach().cpu()[0].item()
+    scale = float(spec.split("=")[1])
+    return x * scale if sigma > ints[0] else x - scale
+
+
+host_call.register("test.gate", _gate)
+
+
+def _fn(x: torch.Tensor, sigmas: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = x @ w
+    z = host_call.call([y, sigmas], "test.gate", [5, y.shape[0]], "scale=" + str(2))
+    return torch.relu(z) + 1
+
+
+def _graphs(backend: str) -> tuple[list[torch.fx.GraphModule], object]:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        if backend == "eager":
+            return gm.forward
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(backend)(gm, example_inputs)
+
+    return graphs, record
+
+
+def test_host_code_runs_inside_one_graph_for_every_value_and_size():
+    torch._dynamo.reset()
+    graphs, record = _graphs("aot_eager")
+    compiled = torch.compile(_fn, backend=record, fullgraph=True, dynamic=True)
+    w = torch.randn(8, 8)
+    for n, sigma in ((4, 10.0), (4, 1.0), (6, 3.0), (5, 7.0)):
+        x, sigmas = torch.randn(n, 8), torch.tensor([sigma])
+        torch.testing.assert_close(compiled(x, sigmas, w), _fn(x, sigmas, w))
+    assert len(graphs) == 1  # neither the sigma nor the size compiled another graph
+    assert host_call.in_graph(graphs[0])
+
+
+@pytest.mark.inductor
+def test_inductor_compiles_a_graph_with_a_host_call():
+    torch._dynamo.reset()
+    compiled = torch.compile(_fn, backend="inductor", fullgraph=True, dynamic=True)
+    w = torch.randn(8, 8)
+    for n, sigma in ((4, 10.0), (6, 1.0)):
+        x, sigmas = torch.randn(n, 8), torch.tensor([sigma])
+        torch.testing.assert_close(compiled(x, sigmas, w), _fn(x, sigmas, w))
+
+
+def test_a_missing_resolver_or_a_wrong_result_is_a_clear_error():
+    x = torch.randn(2, 3)
+    with pytest.raises(host_call.HostCallError, match="no resolver 'test.nope'.*test.gate"):
+        host_call.run([x], "test.nope", [], "")
+    host_call.register("test.wrong", lambda t, i, s: t[0].sum(0))
+    with pytest.raises(host_call.HostCallError, match=r"returned \(3,\).*expects \(2, 3\)"):
+        host_call.run([x], "test.wrong", [], "")
+
+
+def test_a_result_never_shares_an_inputs_memory():
+    host_call.register("test.same", lambda t, i, s: t[0])
+    x = torch.randn(2, 3)
+    out = host_call.run([x], "test.same", [], "")
+    assert torch.equal(out, x) and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    y = torch.randn(3, 2).t()  # not contiguous: the declared form is
+    host_call.register("test.strided", lambda t, i, s: y)
+    assert host_call.run([torch.empty(2, 3)], "test.strided", [], "").is_contiguous()
+
+
+def test_live_state_nests_and_is_per_thread():
+    import threading
+
+    assert host_call.current() is None
+    with host_call.live("outer"):
+        with host_call.live("inner"):
+            assert host_call.current() == "inner"
+        assert host_call.current() == "outer"
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(host_call.current()))
+        t.start()
+        t.join()
+        assert seen == [None]
+    assert host_call.current() is None
+
+
+class _ServesHostCode:
+    __nexfort_foreground__ = True
+
+
+def test_a_background_child_never_gets_an_object_that_serves_host_code():
+    with pytest.raises(background.Unavailable, match="_ServesHostCode"):
+        background.dumps({"options": {"patch": _ServesHostCode()}})
+    background.dumps({"options": {"patch": 1}})
