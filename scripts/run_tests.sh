@@ -15,7 +15,9 @@ if [[ "${TEST_WORKERS:-2}" == "1" || -n "${PYTEST_ARGS:-}" ]]; then
   exec "$PY" -m pytest -ra ${PYTEST_ARGS:-}
 fi
 cd "$(dirname "$0")/.."
-MOVED=(tests/engine/test_precompile.py tests/engine/test_fp8_stored.py tests/engine/test_fp8_weights.py)
+# (CI of the 49th session: engine 3091 s, host about 4300 s with test_precompile.py among MOVED;
+# it went back to the engine half)
+MOVED=(tests/engine/test_fp8_stored.py tests/engine/test_fp8_weights.py)
 engine=(tests/engine)
 for f in "${MOVED[@]}"; do engine+=("--ignore=$f"); done
 host=()
