@@ -857,8 +857,10 @@ def warm_cache_check(args: argparse.Namespace) -> tuple[float | None, dict]:
             return None, {"rc": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
         child = json.loads(out.read_text())["runs"][0]
     keep = ("warmup_s", "compile_node_s", "compile_phases_s", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses",
-            "cache_dir_was_empty", "prewarm_at_first_call")
-    return child.get("warmup_s"), {k: child.get(k) for k in keep}
+            "cache_dir_was_empty", "prewarm_at_first_call", "recompile_reasons", "static_first", "background",
+            "precompiled_first_call")
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("nexfort:")]
+    return child.get("warmup_s"), {**{k: child.get(k) for k in keep}, "nexfort_log": lines[-40:]}
 
 
 def main(argv: list[str] | None = None) -> int:
