@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -70,12 +69,11 @@ def test_comfyui_refuses_lowvram_with_cpu(comfy_host):
 def glue(comfy_host):
     sys.path.insert(0, str(REPO / "tests"))
     import tiny_models
+    from pack_modules import nodes_module
 
     tiny_models.boot()
-    spec = importlib.util.spec_from_file_location("nexfort_glue_under_test", REPO / "nodes" / "patcher.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod, tiny_models
+    with nodes_module("patcher", pkg="_nexfort_glue_under_test") as mod:  # its relative imports work
+        yield mod, tiny_models
 
 
 def test_glue_runs_eager_and_reports_fallback_when_model_lowvram(glue, tmp_path, monkeypatch):
