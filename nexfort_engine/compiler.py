@@ -314,12 +314,11 @@ class CompiledModule(torch.nn.Module):
             counters.set_phase(self._nx_label, "dynamo_trace", time.perf_counter() - self._nx_trace_t0)
             self._nx_trace_t0 = 0.0
         streamer, self._nx_stream = self._nx_stream, None
-        hosted = host_call.in_graph(gm)  # compiled whole, here, without CUDA graphs (host_call.py)
+        hosted = host_call.count(gm)  # compiled whole, here, without CUDA graphs (host_call.py)
         if hosted:
             if streamer is not None or self._nx_parts > 1:
                 self._stop_parts()  # no worker compiles a part nobody will load
-            counters.set_info(self._nx_label, host_calls=sum(
-                1 for n in gm.graph.nodes if n.op == "call_function" and n.target in (host_call.OP, host_call.OP.default)))
+            counters.set_info(self._nx_label, host_calls=hosted)
         if streamer is not None and not hosted and (streamed := self._streamed_split(streamer, gm)) is not None:
             self._nx_graphs += 1
             return streamed

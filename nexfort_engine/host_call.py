@@ -110,6 +110,11 @@ def call(tensors: list[torch.Tensor], resolver: str, ints: list[int], spec: str)
 OP = torch.ops.nexfort.host_call
 
 
+def count(gm: torch.fx.GraphModule) -> int:
+    """How many host calls ``gm`` (a Dynamo or an aten graph) makes."""
+    return sum(1 for node in gm.graph.nodes if node.op == "call_function" and node.target in (OP, OP.default))
+
+
 def in_graph(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` (a Dynamo or an aten graph) calls a host call."""
-    return any(node.op == "call_function" and node.target in (OP, OP.default) for node in gm.graph.nodes)
+    """Whether ``gm`` makes a host call."""
+    return count(gm) > 0

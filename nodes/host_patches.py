@@ -40,17 +40,22 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float
 _verdicts: dict[Any, bool] = {}
 
 
-def _codes(patch: Any) -> list[types.CodeType]:
-    """The code objects of ``patch``: a function's (a partial's function's), or every method of the
-    class of a callable object or of a bound method's object."""
+def _owner(patch: Any) -> Any:
+    """What ``patch``'s code belongs to: a function (a partial's function), or the class of a
+    callable object or of a bound method's object."""
     fn = getattr(patch, "func", None) if not isinstance(patch, (types.FunctionType, types.MethodType)) else None
     target = fn if callable(fn) else patch
     if isinstance(target, types.MethodType):
         target = target.__self__
-    if isinstance(target, types.FunctionType):
-        return [target.__code__]
+    return target if isinstance(target, types.FunctionType) else type(target)
+
+
+def _codes(owner: Any) -> list[types.CodeType]:
+    """The code objects of :func:`_owner`'s result: a function's, or every method of a class."""
+    if isinstance(owner, types.FunctionType):
+        return [owner.__code__]
     out = []
-    for klass in type(target).__mro__:
+    for klass in owner.__mro__:
         if klass is object:
             continue
         for value in vars(klass).values():
@@ -69,11 +74,12 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 def reads_host(patch: Any) -> bool:
-    """Whether ``patch``'s code reads a tensor's value on the host (see the module docstring)."""
-    codes = _codes(patch)
-    key = tuple(codes)
+    """Whether ``patch``'s code reads a tensor's value on the host (see the module docstring);
+    decided once per function code or class (this runs for every patch of every model call)."""
+    owner = _owner(patch)
+    key = owner.__code__ if isinstance(owner, types.FunctionType) else owner
     if key not in _verdicts:
-        _verdicts[key] = any(_names(c) & HOST_READS for c in codes)
+        _verdicts[key] = any(_names(c) & HOST_READS for c in _codes(owner))
     return _verdicts[key]
 
 
@@ -193,6 +199,12 @@ def _resolve(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.T
 host_call.register(RESOLVER, _resolve)
 
 
+def swapped(options: dict) -> int:
+    """How many patches :func:`prepare` swapped in ``options`` (its result) for stand-ins."""
+    replace = options.get("patches_replace", {})
+    return sum(1 for kind in KINDS for p in replace.get(kind, {}).values() if p is STAND_INS[kind])
+
+
 def prepare(options: Any) -> tuple[Any, Any]:
     """``(options for the compiled model, state for host_call.live)`` for one model call: a copy of
     ComfyUI's ``transformer_options`` with each host-reading attention replace patch swapped for its
@@ -205,10 +217,12 @@ def prepare(options: Any) -> tuple[Any, Any]:
     originals, swapped = {}, dict(replace)
     for kind in KINDS:
         table = replace.get(kind)
-        if not isinstance(table, dict) or not any(reads_host(p) for p in table.values()):
+        if not isinstance(table, dict):
             continue
-        originals[kind] = table
-        swapped[kind] = {key: (STAND_INS[kind] if reads_host(p) else p) for key, p in table.items()}
+        hosted = {key: STAND_INS[kind] for key, p in table.items() if reads_host(p)}
+        if hosted:
+            originals[kind] = table
+            swapped[kind] = {**table, **hosted}
     if not originals:
         return options, None
     new = dict(options)

@@ -428,7 +428,7 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
                 args = (*args[:5], options, *args[6:])
             else:
                 kwargs["transformer_options"] = options
-            n = sum(1 for table in live[1].values() for p in table.values() if host_patches.reads_host(p))
+            n = host_patches.swapped(options)
             if compiled.__dict__.get("_nexfort_host_patches") != n:
                 compiled.__dict__["_nexfort_host_patches"] = n
                 counters.set_info(compiled.label, host_patches=n)
