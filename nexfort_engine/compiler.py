@@ -314,16 +314,15 @@ class CompiledModule(torch.nn.Module):
             counters.set_phase(self._nx_label, "dynamo_trace", time.perf_counter() - self._nx_trace_t0)
             self._nx_trace_t0 = 0.0
         streamer, self._nx_stream = self._nx_stream, None
-        hosted = host_call.count(gm)  # compiled whole, here, without CUDA graphs (host_call.py)
-        if hosted:
-            if streamer is not None or self._nx_parts > 1:
-                self._stop_parts()  # no worker compiles a part nobody will load
+        # host calls compile like any op (a worker never runs its part); _compile_graph decides
+        # their CUDA graphs (host_call.py)
+        if hosted := host_call.count(gm):
             counters.set_info(self._nx_label, host_calls=hosted)
-        if streamer is not None and not hosted and (streamed := self._streamed_split(streamer, gm)) is not None:
+        if streamer is not None and (streamed := self._streamed_split(streamer, gm)) is not None:
             self._nx_graphs += 1
             return streamed
         self._graph_passes(gm)
-        if self._nx_parts > 1 and not hosted:
+        if self._nx_parts > 1:
             try:
                 compiled = self._compile_split(gm, example_inputs)
             except Exception as e:
@@ -654,7 +653,10 @@ class CompiledModule(torch.nn.Module):
             if marked is not None:  # torch versions without it bypass AOTAutograd's cache
                 patches["unsafe_marked_cacheable_functions"] = {**marked, **marks}
         if host_call.in_graph(gm):  # a replay would skip the host code
-            patches["triton.cudagraphs"] = False
+            if host_call.partitions_cudagraphs():  # CUDA graphs between the host calls
+                patches["graph_partition"] = True
+            else:
+                patches["triton.cudagraphs"] = False
         if self._nx_config.fuse_qkv_projections:
             from .passes.fuse_qkv import FuseQKVPass
 

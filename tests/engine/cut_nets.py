@@ -69,3 +69,36 @@ def dynamo_graph(net: torch.nn.Module, x: torch.Tensor, rewrite: bool = False, *
     with torch.no_grad(), context():
         torch.compile(net, backend=backend, dynamic=None, fullgraph=fullgraph)(x)
     return got["gm"], got["inputs"]  # type: ignore[return-value]
+
+
+HOST_GATE = "test.cut_nets.gate"
+
+
+def _gate(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.Tensor:
+    """Reads the sigma on the host and branches on it (an IPAdapter-like window test)."""
+    h, sigmas = tensors
+    return h * 0.5 if sigmas.detach().cpu()[0].item() > ints[0] else h + float(spec)
+
+
+class HostNet(ConvNet):
+    """The conv net with a host call after every other block (``nexfort::host_call``)."""
+
+    def forward(self, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from nexfort_engine import host_call
+
+        h = self.i(x)
+        skip = h
+        for n, block in enumerate(self.blocks):
+            h = block(h)
+            if n % 2:
+                h = host_call.call([h, sigmas], HOST_GATE, [n], "0.25")
+        return self.o(h + skip)
+
+
+def host_net() -> HostNet:
+    """:class:`HostNet` with its resolver registered (in this process: a compile worker needs none)."""
+    from nexfort_engine import host_call
+
+    host_call.register(HOST_GATE, _gate)
+    torch.manual_seed(0)
+    return HostNet().eval().requires_grad_(False)

@@ -412,6 +412,78 @@ def test_a_worker_compiles_a_part_with_nexfort_ops(small_parts, tmp_path, fresh_
 
 
 @pytest.mark.inductor
+@torch.no_grad()
+def test_a_graph_with_host_calls_compiles_in_parts_and_its_host_code_runs_here(small_parts, tmp_path, fresh_stats,
+                                                                                clean_dynamo):
+    """Host calls (``nexfort::host_call``, an IPAdapter-like patch's ``.item()`` read) are opaque ops
+    to a compile worker: the graph is cut and compiled in three processes like any other (it was
+    compiled whole in the caller before: 146 s for SDXL with 70 of them, run276), and the host code
+    runs in this process at every call, both branches of its sigma test, in one graph; a restart
+    loads the saved split graph."""
+    from cut_nets import host_net
+
+    net = host_net()
+    config = {"mode": "O2", "regional": False, "compile_workers": 3}
+    cm = nexfort_engine.compile(net, config, cache_dir=str(tmp_path), label="host-parts")
+    x = torch.randn(2, 4, 16, 16)
+    outs = {}
+    for sigma in (10.0, 1.0, 10.0):
+        sigmas = torch.tensor([sigma])
+        outs[sigma] = cm(x, sigmas)
+        torch.testing.assert_close(outs[sigma], net(x, sigmas), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(outs[10.0], outs[1.0])  # the branch the host took shows
+    rec = _record(fresh_stats)
+    assert rec["fallbacks"] == 0, rec["fallback_reasons"]
+    assert rec["compiles"] == 1 and rec["recompiles"] == 0, rec
+    assert rec["host_calls"] == 3, rec
+    assert rec["compile_parts"].startswith("3 parts, 2 from child processes"), rec["compile_parts"]
+    kinds = [d["kinds"].get("host_call.default", 0) for d in rec["compile_parts_each"]]
+    assert sum(kinds) == 3, rec["compile_parts_each"]
+    nexfort_engine.reset_stats()
+    torch._dynamo.reset()
+    cm2 = nexfort_engine.compile(host_net(), config, cache_dir=str(tmp_path), label="host-parts")
+    for sigma in (1.0, 10.0):
+        torch.testing.assert_close(cm2(x, torch.tensor([sigma])), outs[sigma], rtol=0, atol=0)
+    rec2 = _record(fresh_stats)
+    assert rec2["compiles"] == 0 and rec2["cache_hits"] == 1 and rec2["fallbacks"] == 0, rec2
+
+
+def test_a_graph_with_host_calls_keeps_cuda_graphs_between_them_where_inductor_partitions(monkeypatch):
+    """The Inductor options a graph holding host calls compiles with: graph partition around the
+    calls with CUDA graphs kept (torch 2.9+), CUDA graphs off without partition or with the A/B
+    switch ``NEXFORT_HOST_CALL_CUDAGRAPHS=0``; a graph without host calls is left as it is."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from cut_nets import host_net
+
+    from nexfort_engine import host_call
+    from nexfort_engine.compiler import CompiledModule
+    from nexfort_engine.settings import resolve
+
+    seen: list[dict] = []
+    monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches))
+    cm = CompiledModule(torch.nn.Identity(), parse_options({"mode": "O2"}), None)
+    cm._nx_settings = resolve(cm._nx_config, cuda=True)
+    assert cm._nx_settings.inductor.get("triton.cudagraphs") is True
+    host_net()  # its resolver
+    gm = torch.fx.symbolic_trace(lambda h, s: host_call.call([h, s], "test.cut_nets.gate", [1], "0.25") + 1)
+    plain = torch.fx.symbolic_trace(lambda h, s: h + s)
+    assert host_call.in_graph(gm) and not host_call.in_graph(plain)
+    partitions = host_call.partitions_cudagraphs()
+    assert partitions == hasattr(torch.Tag, "cudagraph_unsafe")  # torch 2.9+ has both
+    cm._compile_graph(gm, [])
+    cm._compile_graph(plain, [])
+    monkeypatch.setenv(host_call.ENV_CUDAGRAPHS, "0")
+    assert not host_call.partitions_cudagraphs()
+    cm._compile_graph(gm, [])
+    if partitions:
+        assert seen[0].get("graph_partition") is True and seen[0]["triton.cudagraphs"] is True, seen[0]
+    else:
+        assert seen[0].get("triton.cudagraphs") is False, seen[0]
+    assert "graph_partition" not in seen[1] and seen[1]["triton.cudagraphs"] is True, seen[1]
+    assert seen[2].get("triton.cudagraphs") is False and "graph_partition" not in seen[2], seen[2]
+
+
+@pytest.mark.inductor
 def test_comfyuis_unet_compiles_in_shipped_parts_under_its_sampler(small_parts, patcher, tmp_path, monkeypatch,
                                                                     fresh_stats, clean_dynamo):
     """ComfyUI's SD1.5 UNet class through the node layer and ComfyUI's sampler: three parts, two
