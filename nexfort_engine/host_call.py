@@ -26,6 +26,13 @@ tensors. The graph stays whole; Dynamo never sees the host read, so no guard fol
   next piece waits for the host.
 
 The torch reference twin is the resolver itself, called eagerly (:func:`run`), as the op does.
+
+A host read of a GPU tensor (``sigmas.cpu()[0].item()``) waits until the GPU has finished all the
+work queued before it: with one in every layer, the GPU idles while the host launches each next
+piece (SDXL with 70 such reads: 13.7 it/s where the same graph without them runs at about 30).
+:func:`host_copied` hands resolvers such a tensor wrapped so that its host reads are answered from
+a copy taken once, without blocking, when the wrapper is made; any other use is the device
+tensor's, unchanged. :class:`HostCopied`'s twin is the tensor it wraps (the same reads, blocking).
 """
 
 from __future__ import annotations
@@ -136,3 +143,82 @@ def count(gm: torch.fx.GraphModule) -> int:
 def in_graph(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` makes a host call."""
     return count(gm) > 0
+
+
+#: the reads :class:`HostCopied` answers from its host copy (``Tensor.numpy`` needs a CPU tensor:
+#: ``t.cpu().numpy()`` is covered by ``cpu``)
+_HOST_READS = (torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__,
+               torch.Tensor.__int__, torch.Tensor.__bool__)
+#: what keeps a :class:`HostCopied` (the same values, so the same host copy, indexed alike)
+_KEEPS = (torch.Tensor.detach, torch.Tensor.clone, torch.Tensor.__getitem__)
+
+
+def _plain_index(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+
+
+class HostCopied(torch.Tensor):
+    """A device tensor whose host reads (``.cpu()``, ``.to("cpu")``, ``.item()``, ``.tolist()``,
+    ``float()``, ``int()``, ``bool()``) come from a copy of its values taken when it was made (see
+    :func:`host_copied`). ``detach``, ``clone`` and plain indexing keep the wrapper; every other
+    operation runs on the device tensor and returns plain tensors."""
+
+    _nx_host: torch.Tensor
+    _nx_ready: Any
+
+    @classmethod
+    def _wrap(cls, device: torch.Tensor, host: torch.Tensor, ready: Any) -> HostCopied:
+        out = device.as_subclass(cls)
+        out._nx_host, out._nx_ready = host, ready
+        return out
+
+    def _host(self) -> torch.Tensor:
+        if self._nx_ready is not None:  # the non-blocking copy has landed once this returns
+            self._nx_ready.synchronize()
+            self._nx_ready = None
+        return self._nx_host
+
+    def __deepcopy__(self, memo: dict) -> HostCopied:
+        with torch._C.DisableTorchFunctionSubclass():
+            device = self.clone()
+        return HostCopied._wrap(device, self._nx_host.clone(), self._nx_ready)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        me = args[0] if args else None
+        if isinstance(me, HostCopied):
+            if func in _HOST_READS and len(args) == 1 and not kwargs:
+                host = me._host()
+                return host.clone() if func is torch.Tensor.cpu else func(host)
+            if func is torch.Tensor.to:
+                device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+                if device is not None and device.type == "cpu":
+                    host = me._host()
+                    return host.to(dtype=dtype or host.dtype, memory_format=memory_format or torch.preserve_format,
+                                    copy=True)
+            if func in _KEEPS and (func is not torch.Tensor.__getitem__ or _plain_index(args[1])):
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = func(*args, **kwargs)
+                host = me._host() if func is not torch.Tensor.__getitem__ else me._nx_host
+                extra = args[1:] if func is torch.Tensor.__getitem__ else ()
+                return cls._wrap(out, host.__getitem__(*extra) if extra else host, me._nx_ready)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def host_copied(t: torch.Tensor) -> torch.Tensor:
+    """``t`` wrapped as :class:`HostCopied`: on a CUDA device its values are copied to pinned host
+    memory now without blocking (the first host read waits for that copy only, not for the rest of
+    the GPU's queue); elsewhere the copy is plain. A tensor that is already wrapped is returned."""
+    if isinstance(t, HostCopied):
+        return t
+    src = t.detach()
+    if src.is_cuda:
+        host = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
+        host.copy_(src, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(src.device))
+        return HostCopied._wrap(t, host, ready)
+    return HostCopied._wrap(t, src.to("cpu", copy=True), None)

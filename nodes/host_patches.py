@@ -227,4 +227,9 @@ def prepare(options: Any) -> tuple[Any, Any]:
         return options, None
     new = dict(options)
     new["patches_replace"] = swapped
-    return new, (new, originals)
+    # what the patches get: the step's sigmas read on the host from a copy taken now, so that their
+    # .item() does not wait for the GPU to finish every layer before (host_call.host_copied)
+    live = dict(new)
+    if isinstance(sigmas := live.get("sigmas"), torch.Tensor):
+        live["sigmas"] = host_call.host_copied(sigmas)
+    return new, (live, originals)

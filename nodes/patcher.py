@@ -433,7 +433,7 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
                 compiled.__dict__["_nexfort_host_patches"] = n
                 counters.set_info(compiled.label, host_patches=n)
                 log.info("nexfort: %s: %d attention patch(es) read the sigma on the host (IPAdapter-like): "
-                         "they run as host calls inside one graph, without CUDA graphs", compiled.label, n)
+                         "they run as host calls inside one graph", compiled.label, n)
         try:
             with comfy_allocation_recorder_off(), host_call.live(live):
                 return executor(*args, **kwargs)

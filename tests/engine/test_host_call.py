@@ -105,3 +105,45 @@ def test_a_background_child_never_gets_an_object_that_serves_host_code():
     with pytest.raises(background.Unavailable, match="_ServesHostCode"):
         background.dumps({"options": {"patch": _ServesHostCode()}})
     background.dumps({"options": {"patch": 1}})
+
+
+def _reads(t: torch.Tensor) -> list:
+    """The host reads host patches make of the step's sigmas, in the forms custom nodes write them."""
+    return [t.detach().cpu()[0].item(), t.cpu().tolist(), t[0].item(), float(t[1]), int(t[0]), bool(t[0] > 1),
+            t.to("cpu").tolist(), t.to(device="cpu", dtype=torch.float64).tolist(), t[-1:].tolist(),
+            t.detach().clone().cpu().tolist()]
+
+
+def test_a_host_copied_tensor_reads_as_the_tensor_it_wraps_and_computes_as_it():
+    """Its twin is the plain tensor: every host read gives the same values; any other use gives
+    the same plain tensor; reading never changes what it holds (``cpu()`` hands out a copy)."""
+    import copy
+
+    sigmas = torch.tensor([14.6, 0.03])
+    wrapped = host_call.host_copied(sigmas)
+    assert isinstance(wrapped, host_call.HostCopied) and host_call.host_copied(wrapped) is wrapped
+    assert _reads(wrapped) == _reads(sigmas)
+    for got, want in ((wrapped * 2 + 1, sigmas * 2 + 1), (torch.randn(3, 1).add(wrapped), None),
+                      (wrapped.to(torch.float16), sigmas.to(torch.float16)), (wrapped.view(2, 1), sigmas.view(2, 1))):
+        assert type(got) is torch.Tensor, type(got)
+        if want is not None:
+            assert torch.equal(got, want)
+    wrapped.cpu().mul_(0)  # a caller that changes what it got
+    assert _reads(wrapped) == _reads(sigmas)
+    assert _reads(copy.deepcopy(wrapped)) == _reads(sigmas)
+    # a tensor index is not a plain index: the result is the device tensor's
+    assert type(wrapped[torch.tensor([1])]) is torch.Tensor
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
+def test_a_host_read_of_a_copied_gpu_tensor_does_not_wait_for_the_gpus_queue():
+    sigmas = torch.tensor([14.6, 0.03], device="cuda")
+    wrapped = host_call.host_copied(sigmas)
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):  # queued after the copy (about 0.1 s on an H200)
+        a = a @ a / 64
+    done = torch.cuda.Event()
+    done.record()
+    assert _reads(wrapped) == _reads(sigmas.cpu())
+    assert not done.query()  # read while the matmuls were still running
+    assert wrapped.device.type == "cuda" and torch.equal(wrapped * 1, sigmas)
