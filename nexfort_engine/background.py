@@ -557,8 +557,12 @@ def child_main(job_file: str) -> int:
         return 0
     cm = nx_compile(payload["module"], payload["config"], cache_dir=header["root"], label=payload["label"],
                     method=payload["method"], block_hook=payload["block_hook"])
+    from . import host_call
+
     t1 = time.perf_counter()
-    with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]):
+    # the call compiles the graph; its output is not read (host calls need the host's live state)
+    with torch.inference_mode(payload["inference"]), torch.set_grad_enabled(payload["grad"]), \
+            host_call.placeholders():
         cm(*payload["args"], **payload["kwargs"])
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -17,6 +17,8 @@ tensors. The graph stays whole; Dynamo never sees the host read, so no guard fol
   hands it through :func:`live`, around the compiled call: the graph never carries Python objects.
 - Resolvers are named, not numbered: a saved graph holds the name, and the next process finds the
   resolver its host registered again at import.
+- A background compile's child runs the graph it compiled once, with no host state: there the
+  calls return zeros (:func:`placeholders`); nobody reads that output.
 - A CUDA-graph replay would skip the host code, so the op carries ``cudagraph_unsafe``: where torch
   has the tag and Inductor's graph partition (:func:`partitions_cudagraphs`), Inductor cuts the
   graph around each call and replays the pieces between them as CUDA graphs, the host code running
@@ -79,9 +81,24 @@ def current() -> Any:
     return stack[-1] if stack else None
 
 
+@contextlib.contextmanager
+def placeholders() -> Iterator[None]:
+    """Host calls inside this block (this thread) return zeros of their declared form without
+    calling their resolvers: for a process that compiles a graph for another one and reads none of
+    its outputs (a background compile's child, which has not the host's live state)."""
+    before = getattr(_local, "placeholders", False)
+    _local.placeholders = True
+    try:
+        yield
+    finally:
+        _local.placeholders = before
+
+
 def run(tensors: list[torch.Tensor], resolver: str, ints: list[int], spec: str) -> torch.Tensor:
     """The op's body (and its eager twin): ``resolver`` on the real tensors, its result checked
     against the declared form and returned contiguous, never sharing an input's memory."""
+    if getattr(_local, "placeholders", False):
+        return torch.zeros_like(tensors[0], memory_format=torch.contiguous_format)
     fn = RESOLVERS.get(resolver)
     if fn is None:
         raise HostCallError(f"nexfort host call: no resolver {resolver!r} is registered "
@@ -133,6 +150,114 @@ def call(tensors: list[torch.Tensor], resolver: str, ints: list[int], spec: str)
 
 
 OP = torch.ops.nexfort.host_call
+
+
+# -- values a host call carries: integers (symbolic while tracing) and a spec string ---------------
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_SEP = "\x1f"
+
+
+def encode(value: Any, ints: list[Any]) -> str | None:
+    """``value`` as a short code for a host call's spec: None, bools, integers (appended to
+    ``ints``: they may be symbolic sizes while tracing), strings, float dtypes, and lists and tuples
+    of them; ``None`` for anything else (the op cannot carry it)."""
+    if value is None:
+        return "n"
+    if isinstance(value, bool):
+        return "b1" if value else "b0"
+    if isinstance(value, (int, torch.SymInt)):
+        ints.append(value)
+        return "i"
+    if isinstance(value, str):
+        return "s" + str(len(value)) + ":" + value
+    if isinstance(value, torch.dtype):
+        for name, dtype in _DTYPES.items():
+            if value == dtype:
+                return "d" + name + ";"
+        return None
+    if isinstance(value, (list, tuple)):
+        inner, own = [], []  # its integers join ``ints`` only if all of it can be carried
+        for item in value:
+            code = encode(item, own)
+            if code is None:
+                return None
+            inner.append(code)
+        ints.extend(own)
+        return ("l" if isinstance(value, list) else "t") + str(len(inner)) + ":" + "".join(inner)
+    return None
+
+
+def _decode(code: str, pos: int, ints: list[int], at: list[int]) -> tuple[Any, int]:
+    tag = code[pos]
+    if tag == "n":
+        return None, pos + 1
+    if tag == "b":
+        return code[pos + 1] == "1", pos + 2
+    if tag == "i":
+        at[0] += 1
+        return ints[at[0] - 1], pos + 1
+    if tag == "d":
+        end = code.index(";", pos)
+        return _DTYPES[code[pos + 1:end]], end + 1
+    colon = code.index(":", pos)
+    n = int(code[pos + 1:colon])
+    pos = colon + 1
+    if tag == "s":
+        return code[pos:pos + n], pos + n
+    items = []
+    for _ in range(n):
+        item, pos = _decode(code, pos, ints, at)
+        items.append(item)
+    return (items if tag == "l" else tuple(items)), pos
+
+
+def spec(tag: str, values: dict[str, Any], ints: list[Any]) -> str:
+    """A spec holding ``tag`` and each of ``values`` that :func:`encode` can carry (the others are
+    left out), its integers appended to ``ints``."""
+    parts = [tag]
+    for key, value in values.items():
+        if (code := encode(value, ints)) is not None:
+            parts.append(key + "=" + code)
+    return _SEP.join(parts)
+
+
+def decode(text: str, ints: list[int]) -> tuple[str, dict[str, Any]]:
+    """``(tag, {key: value})`` from a :func:`spec` and the integers the op passed."""
+    tag, *parts = text.split(_SEP)
+    at = [0]
+    values = {}
+    for part in parts:
+        key, _, code = part.partition("=")
+        values[key], _ = _decode(code, 0, ints, at)
+    return tag, values
+
+
+class StandIn:
+    """Stands in, inside a traced model, for host code the model calls as ``fn(*tensors, options)``
+    (ComfyUI's attention replace patches: ``patch(q, k, v, extra_options)``): one host call of
+    ``resolver``, shaped like the first tensor, whose spec carries ``tag`` and the values of
+    ``keys`` found in ``options`` (:func:`spec`); the resolver finds the rest in the host's live
+    state. An engine object: it pickles as itself, so a background compile's child traces the same
+    op (and runs :func:`placeholders`); copies are the object itself."""
+
+    def __init__(self, resolver: str, tag: str, keys: tuple[str, ...]) -> None:
+        self.resolver, self.tag, self.keys = resolver, tag, tuple(keys)
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        *tensors, options = args
+        ints: list[Any] = []
+        text = spec(self.tag, {k: options[k] for k in self.keys if k in options}, ints)
+        return call(list(tensors), self.resolver, ints, text)
+
+    def __copy__(self) -> StandIn:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> StandIn:
+        return self
+
+    def __repr__(self) -> str:
+        return f"StandIn({self.resolver!r}, {self.tag!r})"
 
 
 def count(gm: torch.fx.GraphModule) -> int:

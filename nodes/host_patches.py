@@ -7,8 +7,8 @@ applies its extra attention only inside its start/end window. Dynamo cannot trac
 graph breaks in every layer, and the compiled SDXL UNet ran at 0.58x eager, ComfyUI's own compile at
 0.62x (run274).
 
-Here such a patch is swapped, for the call, for :class:`HostAttention` of its kind: traced, it is one
-``nexfort::host_call`` op shaped like the query (the replace patch's contract: ComfyUI feeds its
+Here such a patch is swapped, for the call, for the stand-in of its kind (:data:`STAND_INS`, a
+``host_call.StandIn``): traced, it is one ``nexfort::host_call`` op shaped like the query (the replace patch's contract: ComfyUI feeds its
 result to the layer's ``to_out``). At run time the op finds the call's *own* patch at that layer in
 the options ComfyUI passed (:func:`prepare` hands them over through ``host_call.live``) and calls it
 eagerly with the options it would have got. The UNet stays one graph; the patch's sigma test, its
@@ -35,7 +35,6 @@ KINDS = ("attn1", "attn2")
 TRACED_KEYS = ("block", "block_index", "transformer_index", "original_shape", "activations_shape",
                "n_heads", "dim_head", "attn_precision")
 HOST_READS = frozenset({"item", "tolist"})
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 _verdicts: dict[Any, bool] = {}
 
@@ -83,97 +82,10 @@ def reads_host(patch: Any) -> bool:
     return _verdicts[key]
 
 
-class HostAttention:
-    """Stands in for a host-reading ``kind`` replace patch at every layer (one instance per kind, so
-    a new patch object, e.g. another IPAdapter weight, meets the same guards). Its call runs the
-    call's own patch, which only ComfyUI's process has: no background compile's child traces it."""
-
-    __nexfort_foreground__ = True  # nexfort_engine.background.FOREGROUND
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra_options: dict) -> torch.Tensor:
-        ints: list[Any] = []
-        parts = [self.kind]
-        for key in TRACED_KEYS:
-            if key in extra_options:
-                code = _encode(extra_options[key], ints)
-                if code is not None:
-                    parts.append(key + "=" + code)
-        return host_call.call([q, k, v], RESOLVER, ints, "\x1f".join(parts))
-
-    def __copy__(self) -> HostAttention:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> HostAttention:
-        return self
-
-
-STAND_INS = {kind: HostAttention(kind) for kind in KINDS}
-
-
-def _encode(value: Any, ints: list[Any]) -> str | None:
-    """``value`` as a short code (integers, symbolic while tracing, go to ``ints``); ``None``
-    for what the op cannot carry."""
-    if value is None:
-        return "n"
-    if isinstance(value, bool):
-        return "b1" if value else "b0"
-    if isinstance(value, (int, torch.SymInt)):
-        ints.append(value)
-        return "i"
-    if isinstance(value, str):
-        return "s" + str(len(value)) + ":" + value
-    if isinstance(value, torch.dtype):
-        for name, dtype in _DTYPES.items():
-            if value == dtype:
-                return "d" + name + ";"
-        return None
-    if isinstance(value, (list, tuple)):
-        inner = []
-        for item in value:
-            code = _encode(item, ints)
-            if code is None:
-                return None
-            inner.append(code)
-        return ("l" if isinstance(value, list) else "t") + str(len(inner)) + ":" + "".join(inner)
-    return None
-
-
-def _decode(code: str, pos: int, ints: list[int], at: list[int]) -> tuple[Any, int]:
-    tag = code[pos]
-    if tag == "n":
-        return None, pos + 1
-    if tag == "b":
-        return code[pos + 1] == "1", pos + 2
-    if tag == "i":
-        at[0] += 1
-        return ints[at[0] - 1], pos + 1
-    if tag == "d":
-        end = code.index(";", pos)
-        return _DTYPES[code[pos + 1:end]], end + 1
-    colon = code.index(":", pos)
-    n = int(code[pos + 1:colon])
-    pos = colon + 1
-    if tag == "s":
-        return code[pos:pos + n], pos + n
-    items = []
-    for _ in range(n):
-        item, pos = _decode(code, pos, ints, at)
-        items.append(item)
-    return (items if tag == "l" else tuple(items)), pos
-
-
-def decode(spec: str, ints: list[int]) -> tuple[str, dict[str, Any]]:
-    """``(kind, {key: value})`` from a :class:`HostAttention` call's spec and integers."""
-    kind, *parts = spec.split("\x1f")
-    at = [0]
-    values = {}
-    for part in parts:
-        key, _, code = part.partition("=")
-        values[key], _ = _decode(code, 0, ints, at)
-    return kind, values
+#: one stand-in per kind (a new patch object, e.g. another IPAdapter weight, meets the same guards):
+#: traced, a call is one host call of :data:`RESOLVER` shaped like the query, carrying its kind and
+#: the values of :data:`TRACED_KEYS`; an engine object, so a background compile's child traces it too
+STAND_INS = {kind: host_call.StandIn(RESOLVER, kind, TRACED_KEYS) for kind in KINDS}
 
 
 def _resolve(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.Tensor:
@@ -182,7 +94,7 @@ def _resolve(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.T
         raise host_call.HostCallError("a host-reading attention patch ran outside a nexfort-compiled "
                                       "ComfyUI model call (no live options)")
     options, originals = state
-    kind, traced = decode(spec, ints)
+    kind, traced = host_call.decode(spec, ints)
     extra = {k: v for k, v in options.items() if k not in ("patches", "patches_replace")}
     extra.update(traced)
     table = originals.get(kind, {})

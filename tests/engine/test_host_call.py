@@ -97,6 +97,41 @@ def test_live_state_nests_and_is_per_thread():
     assert host_call.current() is None
 
 
+def test_the_spec_carries_what_it_can_and_decodes_as_it_was():
+    values = {"block": ("output", 4), "index": 0, "shape": [2, 4, 8, 12], "dtype": torch.bfloat16, "none": None,
+              "flag": True, "name": "a=b\x1ec", "nested": (["x", 1], ())}
+    ints: list = []
+    text = host_call.spec("attn1", {**values, "skipped": object(), "bad_list": [1, object()]}, ints)
+    assert ints == [4, 0, 2, 4, 8, 12, 1]  # none of bad_list's: it is left out whole
+    assert host_call.decode(text, ints) == ("attn1", values)
+    assert host_call.encode(object(), []) is None and host_call.encode(("a", object()), []) is None
+    assert host_call.encode(torch.int8, []) is None  # float dtypes only
+
+
+def test_a_stand_in_is_one_host_call_and_travels_to_a_background_child_as_itself():
+    import copy
+    import pickle
+
+    seen = []
+
+    def resolver(tensors, ints, spec):
+        seen.append(host_call.decode(spec, ints))
+        return tensors[0] * 2
+
+    host_call.register("test.stand_in", resolver)
+    stand_in = host_call.StandIn("test.stand_in", "attn2", ("block", "n_heads"))
+    q, k = torch.randn(2, 3), torch.randn(2, 5)
+    out = stand_in(q, k, {"block": ("input", 4), "n_heads": 8, "sigmas": torch.ones(1)})
+    assert torch.equal(out, q * 2) and seen == [("attn2", {"block": ("input", 4), "n_heads": 8})]
+    assert copy.deepcopy(stand_in) is stand_in and copy.copy(stand_in) is stand_in
+    back = pickle.loads(background.dumps({"options": {"patch": stand_in}}))["options"]["patch"]
+    assert type(back) is host_call.StandIn and (back.resolver, back.tag, back.keys) == (
+        "test.stand_in", "attn2", ("block", "n_heads"))
+    with host_call.placeholders():  # a child's run: zeros of the declared form, no resolver called
+        assert torch.equal(back(q, k, {"block": ("input", 4)}), torch.zeros_like(q))
+    assert len(seen) == 1
+
+
 class _ServesHostCode:
     __nexfort_foreground__ = True
 
@@ -109,7 +144,7 @@ def test_a_background_child_never_gets_an_object_that_serves_host_code():
 
 def _reads(t: torch.Tensor) -> list:
     """The host reads host patches make of the step's sigmas, in the forms custom nodes write them."""
-    return [t.detach().cpu()[0].item(), t.cpu().tolist(), t[0].item(), float(t[1]), int(t[0]), bool(t[0] > 1),
+    return [t.detach().cpu()[0].item(), t.cpu().tolist(), t[0].item(), float(t[1]), int(t[0]), bool(t[:1]),
             t.to("cpu").tolist(), t.to(device="cpu", dtype=torch.float64).tolist(), t[-1:].tolist(),
             t.detach().clone().cpu().tolist()]
 

@@ -197,13 +197,51 @@ def test_an_attention_patch_that_reads_the_sigma_on_the_host_keeps_one_graph(pat
 
 
 def test_a_host_call_carries_the_options_the_unet_sets_while_it_runs(patcher, comfy_inproc):
+    """What the stand-in's op carries (the values ComfyUI's UNet sets while it runs), decoded as
+    the resolver gets them; the rest (``cond_or_uncond``, the sigmas) comes from the live options."""
+    from nexfort_engine import host_call
+
     host_patches = __import__(patcher.__name__.rsplit(".", 1)[0] + ".host_patches", fromlist=["x"])
     values = {"block": ("output", 4), "block_index": 0, "transformer_index": 2, "original_shape": [2, 4, 8, 12],
               "n_heads": 2, "dim_head": 16, "attn_precision": torch.float32, "activations_shape": None,
-              "cond_or_uncond": [1, 0]}  # not carried: it comes from the live options
+              "cond_or_uncond": [1, 0]}
+    stand_in = host_patches.STAND_INS["attn2"]
+    assert (stand_in.resolver, stand_in.tag, stand_in.keys) == (host_patches.RESOLVER, "attn2",
+                                                                 host_patches.TRACED_KEYS)
     ints: list[Any] = []
-    parts = ["attn2"] + [f"{k}={host_patches._encode(values[k], ints)}" for k in host_patches.TRACED_KEYS
-                         if k in values]
-    kind, decoded = host_patches.decode("\x1f".join(parts), ints)
+    text = host_call.spec("attn2", {k: values[k] for k in stand_in.keys if k in values}, ints)
+    kind, decoded = host_call.decode(text, ints)
     assert kind == "attn2" and decoded == {k: v for k, v in values.items() if k != "cond_or_uncond"}
-    assert host_patches._encode(object(), []) is None and host_patches._encode(("a", object()), []) is None
+
+
+def test_a_host_reading_patch_compiles_in_the_background(patcher, comfy_inproc, fresh_stats, tmp_path, monkeypatch):
+    """The stand-ins are engine objects: they travel to a background compile's child, which traces
+    them and runs its graph with placeholder host calls (it has none of the patches). ComfyUI
+    samples eager meanwhile, with the patch; then it runs the graph the child compiled, the patch
+    called on the host in every layer: eager's image both times. Before, such a call compiled in
+    the foreground (its stand-in could not be sent), and with ``"static_first"`` (auto on a GPU) the
+    dynamic graph was compiled at the first other size, in ComfyUI's process."""
+    import time
+
+    monkeypatch.setenv("NEXFORT_CACHE_DIR", str(tmp_path))
+    mp = tm.tiny_sd15(seed=11)
+    config = nexfort_engine.parse_options({"backend": "eager", "background": True})
+    compiled = patcher.compile_model_patcher(mp, config, node_id="host-bg")
+    ref = _sample(_host_patched(mp, _HostSigmaAttn2(0.7, sigma_start=5.0)))
+    first = _HostSigmaAttn2(0.7, sigma_start=5.0)
+    assert tm.rel_err(_sample(_host_patched(compiled, first)), ref) <= TOL
+    rec = _record(fresh_stats(), "host-bg")
+    assert rec["state"] == "background", rec.get("background")
+    assert first.calls == 7 * 3  # eager meanwhile, the patch on the host
+    cm = next(iter(mp.model.diffusion_model.__dict__[patcher._ATTR].values()))
+    deadline = time.monotonic() + 300
+    while not cm._nx_job.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    then = _HostSigmaAttn2(0.7, sigma_start=5.0)
+    assert tm.rel_err(_sample(_host_patched(compiled, then)), ref) <= TOL
+    rec = _record(fresh_stats(), "host-bg")
+    assert rec["background"].startswith("done in "), rec["background"]
+    assert rec["state"] == "compiled" and rec["fallbacks"] == 0, rec["fallback_reasons"]
+    assert rec["graph_breaks"] == 0 and rec["host_calls"] == 7, rec
+    assert then.calls == 7 * 3 and then.sigmas_seen == {"HostCopied"}
