@@ -173,12 +173,13 @@ def test_a_host_copied_tensor_reads_as_the_tensor_it_wraps_and_computes_as_it():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
 def test_a_host_read_of_a_copied_gpu_tensor_does_not_wait_for_the_gpus_queue():
     sigmas = torch.tensor([14.6, 0.03], device="cuda")
+    want = _reads(sigmas.cpu())  # before the queue: a plain read waits for it
     wrapped = host_call.host_copied(sigmas)
     a = torch.randn(4096, 4096, device="cuda")
     for _ in range(50):  # queued after the copy (about 0.1 s on an H200)
         a = a @ a / 64
     done = torch.cuda.Event()
     done.record()
-    assert _reads(wrapped) == _reads(sigmas.cpu())
+    assert _reads(wrapped) == want
     assert not done.query()  # read while the matmuls were still running
     assert wrapped.device.type == "cuda" and torch.equal(wrapped * 1, sigmas)
