@@ -652,11 +652,11 @@ class CompiledModule(torch.nn.Module):
             marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
             if marked is not None:  # torch versions without it bypass AOTAutograd's cache
                 patches["unsafe_marked_cacheable_functions"] = {**marked, **marks}
-        if host_call.in_graph(gm):  # a replay would skip the host code
-            if host_call.partitions_cudagraphs():  # CUDA graphs between the host calls
-                patches["graph_partition"] = True
-            else:
-                patches["triton.cudagraphs"] = False
+        if host_call.in_graph(gm) and patches.get("triton.cudagraphs") and not (
+                host_call.partitions_cudagraphs() and patches.get("graph_partition")):
+            # a replay would skip the host code; with partition (the cudagraphs settings) the graph
+            # is replayed between the calls instead
+            patches["triton.cudagraphs"] = False
         if self._nx_config.fuse_qkv_projections:
             from .passes.fuse_qkv import FuseQKVPass
 

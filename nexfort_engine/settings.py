@@ -64,6 +64,10 @@ FLAG_INDUCTOR: dict[str, dict[str, Any]] = {
         # keep CUDA graphs under dynamic shape: one recorded graph per concrete shape
         "triton.cudagraph_skip_dynamic_graphs": False,
         "triton.cudagraph_dynamic_shape_warn_limit": None,
+        # CUDA graphs between the ops a replay cannot run (host calls: host_call.py), at compile and
+        # at load alike (torch 2.11's default; a saved graph loaded under other patches than it was
+        # compiled with failed to load: run276's warm start traced again)
+        "graph_partition": True,
     },
     "freezing": {"freezing": True},
     "low-precision": {},

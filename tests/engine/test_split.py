@@ -449,9 +449,11 @@ def test_a_graph_with_host_calls_compiles_in_parts_and_its_host_code_runs_here(s
 
 
 def test_a_graph_with_host_calls_keeps_cuda_graphs_between_them_where_inductor_partitions(monkeypatch):
-    """The Inductor options a graph holding host calls compiles with: graph partition around the
-    calls with CUDA graphs kept (torch 2.9+), CUDA graphs off without partition or with the A/B
-    switch ``NEXFORT_HOST_CALL_CUDAGRAPHS=0``; a graph without host calls is left as it is."""
+    """A graph holding host calls compiles with the CUDA-graph settings as they are: graph partition
+    on, so Inductor replays the pieces between the calls. Its saved graph is loaded under the same
+    patches (``_inductor_patches``): run276 compiled such a graph with CUDA graphs off, its warm
+    start loaded it with them on, torch refused it (AssertionError) and the model was traced again
+    (48 s). Only where torch could not partition are CUDA graphs turned off."""
     import torch._inductor.compile_fx as compile_fx_module
     from cut_nets import host_net
 
@@ -463,24 +465,25 @@ def test_a_graph_with_host_calls_keeps_cuda_graphs_between_them_where_inductor_p
     monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches))
     cm = CompiledModule(torch.nn.Identity(), parse_options({"mode": "O2"}), None)
     cm._nx_settings = resolve(cm._nx_config, cuda=True)
-    assert cm._nx_settings.inductor.get("triton.cudagraphs") is True
+    load = cm._inductor_patches()
+    assert load["triton.cudagraphs"] is True and load["graph_partition"] is True
     host_net()  # its resolver
     gm = torch.fx.symbolic_trace(lambda h, s: host_call.call([h, s], "test.cut_nets.gate", [1], "0.25") + 1)
     plain = torch.fx.symbolic_trace(lambda h, s: h + s)
     assert host_call.in_graph(gm) and not host_call.in_graph(plain)
-    partitions = host_call.partitions_cudagraphs()
-    assert partitions == hasattr(torch.Tag, "cudagraph_unsafe")  # torch 2.9+ has both
+    assert host_call.partitions_cudagraphs()  # torch 2.11+ (the floor)
     cm._compile_graph(gm, [])
     cm._compile_graph(plain, [])
-    monkeypatch.setenv(host_call.ENV_CUDAGRAPHS, "0")
-    assert not host_call.partitions_cudagraphs()
+    for patches in seen:
+        assert {k: patches[k] for k in ("triton.cudagraphs", "graph_partition")} == {
+            "triton.cudagraphs": True, "graph_partition": True}, patches
+    monkeypatch.setattr(host_call, "partitions_cudagraphs", lambda: False)
     cm._compile_graph(gm, [])
-    if partitions:
-        assert seen[0].get("graph_partition") is True and seen[0]["triton.cudagraphs"] is True, seen[0]
-    else:
-        assert seen[0].get("triton.cudagraphs") is False, seen[0]
-    assert "graph_partition" not in seen[1] and seen[1]["triton.cudagraphs"] is True, seen[1]
-    assert seen[2].get("triton.cudagraphs") is False and "graph_partition" not in seen[2], seen[2]
+    assert seen[2]["triton.cudagraphs"] is False
+    # on the CPU the settings have no CUDA graphs: nothing to turn off
+    cm._nx_settings = resolve(cm._nx_config, cuda=False)
+    cm._compile_graph(gm, [])
+    assert "triton.cudagraphs" not in seen[3], seen[3]
 
 
 @pytest.mark.inductor
