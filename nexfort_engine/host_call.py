@@ -116,6 +116,7 @@ def run(tensors: list[torch.Tensor], resolver: str, ints: list[int], spec: str) 
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
+
 def partitions_cudagraphs() -> bool:
     """Whether Inductor replays a graph that holds host calls as CUDA graphs between them: torch
     tags the op ``cudagraph_unsafe`` and has graph partition (both in torch 2.11, the floor). The

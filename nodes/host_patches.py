@@ -8,11 +8,13 @@ graph breaks in every layer, and the compiled SDXL UNet ran at 0.58x eager, Comf
 0.62x (run274).
 
 Here such a patch is swapped, for the call, for the stand-in of its kind (:data:`STAND_INS`, a
-``host_call.StandIn``): traced, it is one ``nexfort::host_call`` op shaped like the query (the replace patch's contract: ComfyUI feeds its
-result to the layer's ``to_out``). At run time the op finds the call's *own* patch at that layer in
-the options ComfyUI passed (:func:`prepare` hands them over through ``host_call.live``) and calls it
-eagerly with the options it would have got. The UNet stays one graph; the patch's sigma test, its
-weights, its images and its window never reach a guard, so changing them compiles nothing.
+``host_call.StandIn``): traced, it is one ``nexfort::host_call`` op shaped like the query (the
+replace patch's contract: ComfyUI feeds its result to the layer's ``to_out``). At run time the op
+finds the call's *own* patch at that layer in the options ComfyUI passed (:func:`prepare` hands them
+over through ``host_call.live``) and calls it eagerly with the options it would have got, the step's
+sigmas among them as a ``host_call.HostCopied`` (their host reads do not wait for the GPU). The UNet
+stays one graph; the patch's sigma test, its weights, its images and its window never reach a
+guard, so changing them compiles nothing.
 
 Which patches: those whose code reads a tensor's value on the host (``.item()``, ``.tolist()``
 among the names its code, its nested code or its class's methods use). Patches Dynamo can trace
