@@ -112,7 +112,7 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", {m['fp8_weight_layers']} linear weights stored in fp8"
         if m.get("host_patches"):
             how += (f", {m['host_patches']} host-reading attention patch(es) run as {m.get('host_calls', 0)} "
-                    "host call(s) in the graph (no CUDA graphs)")
+                    "host call(s) in the graph (CUDA graphs, where on, between them)")
         if m.get("fp8_stored_weights"):
             how += f", {m['fp8_stored_weights']} fp8 GEMMs on the weights as stored (e4m3)"
         if m.get("trace_stand_ins"):
