@@ -39,6 +39,12 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert "fp8 linears left off (model width 1280 < 2048)" in unet and "left off" not in pixart
     assert ", max-autotune left off (convolutional UNet compiled whole)" in unet
     assert "recompile: 0/0: tensor 'x' rank mismatch" in text
+    assert "host call" not in text
+    counters.set_info("UNetModel:aa", host_patches=70, host_calls=70)
+    unet = next(line for line in cache_manager.report(CacheStore(tmp_path)).splitlines()
+                if line.strip().startswith("UNetModel:aa"))
+    assert ("70 host-reading attention patch(es) run as 70 host call(s) in the graph (CUDA graphs, where on, "
+            "between them)") in unet
     assert "background compile" not in text  # the option was off
     counters.set_info("UNetModel:aa", background="done in 147.3s")
     assert "    background compile: done in 147.3s" in cache_manager.report(CacheStore(tmp_path))
