@@ -300,7 +300,8 @@ class HostCopied(torch.Tensor):
     def __deepcopy__(self, memo: dict) -> HostCopied:
         with torch._C.DisableTorchFunctionSubclass():
             device = self.clone()
-        return HostCopied._wrap(device, self._nx_host.clone(), self._nx_ready)
+        # the copy once it has landed (a clone of the pinned buffer before that could be stale)
+        return HostCopied._wrap(device, self._host().clone(), None)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -319,9 +320,10 @@ class HostCopied(torch.Tensor):
             if func in _KEEPS and (func is not torch.Tensor.__getitem__ or _plain_index(args[1])):
                 with torch._C.DisableTorchFunctionSubclass():
                     out = func(*args, **kwargs)
-                host = me._host() if func is not torch.Tensor.__getitem__ else me._nx_host
-                extra = args[1:] if func is torch.Tensor.__getitem__ else ()
-                return cls._wrap(out, host.__getitem__(*extra) if extra else host, me._nx_ready)
+                # the same host copy (never written after the copy: reads hand out clones), indexed
+                # alike; no wait here, the new wrapper waits for the same copy at its first read
+                host = me._nx_host[args[1]] if func is torch.Tensor.__getitem__ else me._nx_host
+                return cls._wrap(out, host, me._nx_ready)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
