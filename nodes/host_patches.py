@@ -95,9 +95,9 @@ def _resolve(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.T
     if state is None:
         raise host_call.HostCallError("a host-reading attention patch ran outside a nexfort-compiled "
                                       "ComfyUI model call (no live options)")
-    options, originals = state
+    base, originals = state
     kind, traced = host_call.decode(spec, ints)
-    extra = {k: v for k, v in options.items() if k not in ("patches", "patches_replace")}
+    extra = dict(base)  # each patch gets its own dict, as ComfyUI's layers hand out
     extra.update(traced)
     table = originals.get(kind, {})
     block = traced.get("block")
@@ -108,6 +108,8 @@ def _resolve(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.T
         raise host_call.HostCallError(f"no {kind} replace patch for {block} in this call's options")
     q, k, v = tensors
     return patch(q, k, v, extra)
+
+
 
 
 host_call.register(RESOLVER, _resolve)
@@ -143,7 +145,7 @@ def prepare(options: Any) -> tuple[Any, Any]:
     new["patches_replace"] = swapped
     # what the patches get: the step's sigmas read on the host from a copy taken now, so that their
     # .item() does not wait for the GPU to finish every layer before (host_call.host_copied)
-    live = dict(new)
-    if isinstance(sigmas := live.get("sigmas"), torch.Tensor):
-        live["sigmas"] = host_call.host_copied(sigmas)
-    return new, (live, originals)
+    base = {k: v for k, v in new.items() if k not in ("patches", "patches_replace")}
+    if isinstance(sigmas := base.get("sigmas"), torch.Tensor):
+        base["sigmas"] = host_call.host_copied(sigmas)
+    return new, (base, originals)

@@ -106,6 +106,13 @@ def test_the_spec_carries_what_it_can_and_decodes_as_it_was():
     assert host_call.decode(text, ints) == ("attn1", values)
     assert host_call.encode(object(), []) is None and host_call.encode(("a", object()), []) is None
     assert host_call.encode(torch.int8, []) is None  # float dtypes only
+    # decoded once per (spec, ints), each call handed its own dict and lists (a patch may change them)
+    first = host_call.decode(text, ints)[1]
+    first["shape"].append(99)
+    first["nested"][0].append("y")
+    first["index"] = 7
+    assert host_call.decode(text, ints) == ("attn1", values)
+    assert host_call.decode(text, [5, 0, 2, 4, 8, 12, 1])[1]["block"] == ("output", 5)  # other integers
 
 
 def test_a_stand_in_is_one_host_call_and_travels_to_a_background_child_as_itself():
