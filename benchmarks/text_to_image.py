@@ -316,6 +316,60 @@ def compile_controlnet(controlnet: Any, config_json: str) -> Any:
 # -- sampling ---------------------------------------------------------------------------------------
 
 
+class HostWaits:
+    """Where a sampling's host thread stood still: Python's garbage collections (their time and
+    count) and, for models with host calls, the waits of ``HostCopied`` reads for their host copy
+    (``nexfort_engine.host_call``): to tell a host-bound step that waits for the GPU from one that
+    computes."""
+
+    def __init__(self) -> None:
+        self.gc_s, self.gc_n, self.wait_s, self.wait_n = 0.0, 0, 0.0, 0
+        self._gc_t0 = 0.0
+        self._orig: Any = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t0
+            self.gc_n += 1
+
+    def __enter__(self) -> HostWaits:
+        import gc
+
+        gc.callbacks.append(self._on_gc)
+        host_call = sys.modules.get("nexfort_engine.host_call")
+        if host_call is not None:
+            cls = host_call.HostCopied
+            self._orig = (cls, cls._host)
+            orig, waits = cls._host, self
+
+            def timed(me: Any) -> Any:
+                if me._nx_ready[0] is None:
+                    return orig(me)
+                t = time.perf_counter()
+                try:
+                    return orig(me)
+                finally:
+                    waits.wait_s += time.perf_counter() - t
+                    waits.wait_n += 1
+
+            cls._host = timed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import gc
+
+        gc.callbacks.remove(self._on_gc)
+        if self._orig is not None:
+            cls, orig = self._orig
+            cls._host = orig
+
+    def summary(self) -> dict[str, Any]:
+        return {"gc_ms": round(1000.0 * self.gc_s, 3), "gc_collections": self.gc_n,
+                "host_copy_wait_ms": round(1000.0 * self.wait_s, 3), "host_copy_waits": self.wait_n}
+
+
 class Runner:
     """Everything one sampling run needs; :meth:`run` returns (latent, metrics)."""
 
@@ -338,13 +392,15 @@ class Runner:
         timer = metrics.StepTimer(self.device)
         metrics.sync(self.device)
         t0 = time.perf_counter()
-        out = comfy.sample.sample(
-            mp, noise, steps, self.cfg, args.sampler, self.scheduler, pos, neg, latent,
-            callback=timer, disable_pbar=True, seed=args.seed,
-        )
-        metrics.sync(self.device)
+        with HostWaits() as waits:
+            out = comfy.sample.sample(
+                mp, noise, steps, self.cfg, args.sampler, self.scheduler, pos, neg, latent,
+                callback=timer, disable_pbar=True, seed=args.seed,
+            )
+            metrics.sync(self.device)
         e2e = time.perf_counter() - t0
         return out, {"e2e_s": e2e, "it_s": timer.it_per_s(), "host_ms_per_step": timer.host_ms_per_step(),
+                     **waits.summary(),
                      "steps_seen": len(timer.marks), "t0_perf_s": round(t0, 4),
                      # per step (2..N): the device's time and the host's, to place a slow sampling
                      "step_ms": [round(1000.0 * d, 3) for d in timer.seconds_between()],
@@ -809,6 +865,7 @@ def background_samplings(runner: Runner, target: Any, height: int, width: int, a
                      # the device's and the host's median step: which of the two a compile beside it slows
                      "step_ms_median": metrics.median(m.get("step_ms") or []),
                      "host_step_ms_median": metrics.median(m.get("host_step_ms") or []),
+                     "gc_ms": m.get("gc_ms"), "host_copy_wait_ms": m.get("host_copy_wait_ms"),
                      # this process's peak over the sampling, and the device's use with the child on it
                      "peak_gib": metrics.peak_gib(device), "device_used_gib": metrics.device_used_gib(device)})
         print(f"background: sampling at {start:.1f}s took {m['e2e_s']:.2f}s ({m.get('it_s') or 0:.2f} it/s), "

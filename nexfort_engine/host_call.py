@@ -318,25 +318,29 @@ class HostCopied(torch.Tensor):
     operation runs on the device tensor and returns plain tensors."""
 
     _nx_host: torch.Tensor
-    _nx_ready: Any
+    #: ``[event]`` until the copy is known to have landed, then ``[None]``: shared by the wrappers
+    #: ``detach``/``clone``/indexing make (a patch reads ``sigmas.detach().cpu()`` in every layer:
+    #: one wait per copy, not one per layer)
+    _nx_ready: list[Any]
 
     @classmethod
-    def _wrap(cls, device: torch.Tensor, host: torch.Tensor, ready: Any) -> HostCopied:
+    def _wrap(cls, device: torch.Tensor, host: torch.Tensor, ready: list[Any]) -> HostCopied:
         out = device.as_subclass(cls)
         out._nx_host, out._nx_ready = host, ready
         return out
 
     def _host(self) -> torch.Tensor:
-        if self._nx_ready is not None:  # the non-blocking copy has landed once this returns
-            self._nx_ready.synchronize()
-            self._nx_ready = None
+        ready = self._nx_ready
+        if ready[0] is not None:  # the non-blocking copy has landed once this returns
+            ready[0].synchronize()
+            ready[0] = None
         return self._nx_host
 
     def __deepcopy__(self, memo: dict) -> HostCopied:
         with torch._C.DisableTorchFunctionSubclass():
             device = self.clone()
         # the copy once it has landed (a clone of the pinned buffer before that could be stale)
-        return HostCopied._wrap(device, self._host().clone(), None)
+        return HostCopied._wrap(device, self._host().clone(), [None])
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -375,5 +379,5 @@ def host_copied(t: torch.Tensor) -> torch.Tensor:
         host.copy_(src, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(src.device))
-        return HostCopied._wrap(t, host, ready)
-    return HostCopied._wrap(t, src.to("cpu", copy=True), None)
+        return HostCopied._wrap(t, host, [ready])
+    return HostCopied._wrap(t, src.to("cpu", copy=True), [None])

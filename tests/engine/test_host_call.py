@@ -177,6 +177,26 @@ def test_a_host_copied_tensor_reads_as_the_tensor_it_wraps_and_computes_as_it():
     assert type(wrapped[torch.tensor([1])]) is torch.Tensor
 
 
+def test_the_wrappers_a_patch_makes_wait_for_the_copy_once():
+    """A patch reads ``sigmas.detach().cpu()[0].item()`` in every layer, each time through a new
+    wrapper (``detach``): the first read waits for the copy's event, the others know it landed."""
+
+    class Event:
+        waits = 0
+
+        def synchronize(self) -> None:
+            Event.waits += 1
+
+    sigmas = torch.tensor([14.6, 0.03])
+    wrapped = host_call.HostCopied._wrap(sigmas, sigmas.clone(), [Event()])
+    derived = [wrapped.detach(), wrapped.clone(), wrapped[0:1], wrapped.detach().detach()]
+    assert all(isinstance(d, host_call.HostCopied) for d in derived)
+    for _ in range(3):
+        assert [d.cpu()[0].item() for d in derived] == [sigmas[0].item()] * 4
+        assert wrapped.detach().cpu()[0].item() == sigmas[0].item()
+    assert Event.waits == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
 def test_a_host_read_of_a_copied_gpu_tensor_does_not_wait_for_the_gpus_queue():
     sigmas = torch.tensor([14.6, 0.03], device="cuda")
