@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -317,15 +318,17 @@ def compile_controlnet(controlnet: Any, config_json: str) -> Any:
 
 
 class HostWaits:
-    """Where a sampling's host thread stood still: Python's garbage collections (their time and
-    count) and, for models with host calls, the waits of ``HostCopied`` reads for their host copy
-    (``nexfort_engine.host_call``): to tell a host-bound step that waits for the GPU from one that
-    computes."""
+    """Where a sampling's host thread stood still or took another path: Python's garbage
+    collections (their time and count); for models with host calls, the waits of ``HostCopied``
+    reads for their host copy (``nexfort_engine.host_call``); and how CUDA-graph trees ran each
+    piece (``CUDAGraphNode.run``: a replay, ``CUDAWarmupNode.run``: its kernels one by one). To tell
+    a host-bound step that waits for the GPU, or launches every kernel, from one that computes."""
 
     def __init__(self) -> None:
         self.gc_s, self.gc_n, self.wait_s, self.wait_n = 0.0, 0, 0.0, 0
+        self.counts: dict[str, int] = {"cudagraph_replays": 0, "cudagraph_warmups": 0}
         self._gc_t0 = 0.0
-        self._orig: Any = None
+        self._restore: list[tuple[Any, str, Any]] = []
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -334,40 +337,59 @@ class HostWaits:
             self.gc_s += time.perf_counter() - self._gc_t0
             self.gc_n += 1
 
+    def _wrap(self, cls: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        orig = cls.__dict__.get(name)
+        if orig is not None:
+            self._restore.append((cls, name, orig))
+            setattr(cls, name, wrapper(orig))
+
+    def _counting(self, key: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.counts[key] += 1
+                return orig(*args, **kwargs)
+            return counted
+        return wrapper
+
     def __enter__(self) -> HostWaits:
         import gc
 
         gc.callbacks.append(self._on_gc)
         host_call = sys.modules.get("nexfort_engine.host_call")
         if host_call is not None:
-            cls = host_call.HostCopied
-            self._orig = (cls, cls._host)
-            orig, waits = cls._host, self
+            waits = self
 
-            def timed(me: Any) -> Any:
-                if me._nx_ready[0] is None:
-                    return orig(me)
-                t = time.perf_counter()
-                try:
-                    return orig(me)
-                finally:
-                    waits.wait_s += time.perf_counter() - t
-                    waits.wait_n += 1
+            def timing(orig: Callable[..., Any]) -> Callable[..., Any]:
+                def timed(me: Any) -> Any:
+                    if me._nx_ready[0] is None:
+                        return orig(me)
+                    t = time.perf_counter()
+                    try:
+                        return orig(me)
+                    finally:
+                        waits.wait_s += time.perf_counter() - t
+                        waits.wait_n += 1
+                return timed
 
-            cls._host = timed
+            self._wrap(host_call.HostCopied, "_host", timing)
+        trees = sys.modules.get("torch._inductor.cudagraph_trees")
+        if trees is not None:
+            self._wrap(getattr(trees, "CUDAGraphNode", None) or object, "run", self._counting("cudagraph_replays"))
+            self._wrap(getattr(trees, "CUDAWarmupNode", None) or object, "run", self._counting("cudagraph_warmups"))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import gc
 
         gc.callbacks.remove(self._on_gc)
-        if self._orig is not None:
-            cls, orig = self._orig
-            cls._host = orig
+        for cls, name, orig in reversed(self._restore):
+            setattr(cls, name, orig)
+        self._restore.clear()
 
     def summary(self) -> dict[str, Any]:
         return {"gc_ms": round(1000.0 * self.gc_s, 3), "gc_collections": self.gc_n,
-                "host_copy_wait_ms": round(1000.0 * self.wait_s, 3), "host_copy_waits": self.wait_n}
+                "host_copy_wait_ms": round(1000.0 * self.wait_s, 3), "host_copy_waits": self.wait_n,
+                **self.counts}
 
 
 class Runner:
@@ -866,6 +888,7 @@ def background_samplings(runner: Runner, target: Any, height: int, width: int, a
                      "step_ms_median": metrics.median(m.get("step_ms") or []),
                      "host_step_ms_median": metrics.median(m.get("host_step_ms") or []),
                      "gc_ms": m.get("gc_ms"), "host_copy_wait_ms": m.get("host_copy_wait_ms"),
+                     "cudagraph_replays": m.get("cudagraph_replays"), "cudagraph_warmups": m.get("cudagraph_warmups"),
                      # this process's peak over the sampling, and the device's use with the child on it
                      "peak_gib": metrics.peak_gib(device), "device_used_gib": metrics.device_used_gib(device)})
         print(f"background: sampling at {start:.1f}s took {m['e2e_s']:.2f}s ({m.get('it_s') or 0:.2f} it/s), "

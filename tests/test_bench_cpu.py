@@ -88,6 +88,7 @@ def test_eager_run(results):
     assert run["t0_perf_s"] > 0
     assert r["latent_finite"] and r["latent_std"] > 0
     assert r["compiles"] == 0 and r["peak_mem_gib"] is None
+    assert {"gc_ms", "gc_collections", "host_copy_waits", "cudagraph_replays"} <= set(run)
 
 
 def test_nexfort_run(results):
@@ -265,6 +266,36 @@ def test_profile_host_and_cudagraph_state(results):
     assert all(row["self_ms_per_step"] >= 0 and row["calls_per_step"] > 0 for row in h["top_self"])
     cg = r["cudagraphs"]
     assert "error" not in cg and isinstance(cg["counters"], dict) and "functions" not in cg
+
+
+def test_host_waits_counts_what_a_sampling_waited_for():
+    """The bench's per-sampling counters: garbage collections, host-copy waits (one per copy), and
+    CUDA-graph tree replays/warm-ups (none on the CPU); the patched methods are put back after."""
+    import gc
+    import time
+
+    import torch
+
+    from nexfort_engine import host_call
+
+    HostWaits = _bench_module("text_to_image").HostWaits
+
+    class SlowEvent:
+        def synchronize(self) -> None:
+            time.sleep(0.01)
+
+    before = host_call.HostCopied.__dict__["_host"]
+    sigmas = torch.tensor([14.6, 0.0])
+    wrapped = host_call.HostCopied._wrap(sigmas, sigmas.clone(), [SlowEvent()])
+    with HostWaits() as waits:
+        for _ in range(3):
+            assert wrapped.detach().cpu()[0].item() == sigmas[0].item()
+        gc.collect()
+    got = waits.summary()
+    assert got["host_copy_waits"] == 1 and got["host_copy_wait_ms"] >= 10.0
+    assert got["gc_collections"] >= 1 and got["gc_ms"] > 0
+    assert got["cudagraph_replays"] == 0 and got["cudagraph_warmups"] == 0
+    assert host_call.HostCopied.__dict__["_host"] is before and waits._on_gc not in gc.callbacks
 
 
 def test_kernel_category():
