@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-#: ComfyUI 0.3.75's order (comfy/ops.py: cuDNN inserted first on NVIDIA), then flash- and
-#: efficient-first
+#: ComfyUI 0.3.75's order where it sets one (comfy/ops.py: on Windows, cuDNN inserted first), then
+#: flash- and efficient-first, each inside ``sdpa_kernel(order, set_priority=True)`` as ComfyUI's
+#: wrapper calls it
 ORDERS = {
     "cudnn_first": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "flash_first": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -60,6 +61,10 @@ def sdpa_rows(calls: int) -> list[dict[str, Any]]:
         q = torch.randn(b, h, n, d, device="cuda", dtype=torch.float16)
         k = torch.randn(b, h, m, d, device="cuda", dtype=torch.float16)
         v = torch.randn(b, h, m, d, device="cuda", dtype=torch.float16)
+        # ComfyUI 0.3.75 on Linux: no context (its order is set on Windows only), torch's default
+        rows.append({"shape": name, "order": "default_no_context",
+                     **host_and_gpu_us(lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                                       calls)})
         for order_name, order in ORDERS.items():
             def fn(order: list = order, q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> Any:
                 with sdpa_kernel(order, set_priority=True):
