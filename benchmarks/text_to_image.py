@@ -321,12 +321,13 @@ class HostWaits:
     """Where a sampling's host thread stood still or took another path: Python's garbage
     collections (their time and count); for models with host calls, the waits of ``HostCopied``
     reads for their host copy (``nexfort_engine.host_call``); and how CUDA-graph trees ran each
-    piece (``CUDAGraphNode.run``: a replay, ``CUDAWarmupNode.run``: its kernels one by one). To tell
-    a host-bound step that waits for the GPU, or launches every kernel, from one that computes."""
+    piece (``CUDAGraphNode.run``: a replay, ``run_first_inputs``: the run that recorded it,
+    ``CUDAWarmupNode.run``: its kernels one by one). To tell a host-bound step that waits for the
+    GPU, or launches every kernel, from one that computes."""
 
     def __init__(self) -> None:
         self.gc_s, self.gc_n, self.wait_s, self.wait_n = 0.0, 0, 0.0, 0
-        self.counts: dict[str, int] = {"cudagraph_replays": 0, "cudagraph_warmups": 0}
+        self.counts: dict[str, int] = {"cudagraph_replays": 0, "cudagraph_records": 0, "cudagraph_warmups": 0}
         self._gc_t0 = 0.0
         self._restore: list[tuple[Any, str, Any]] = []
 
@@ -375,6 +376,9 @@ class HostWaits:
         trees = sys.modules.get("torch._inductor.cudagraph_trees")
         if trees is not None:
             self._wrap(getattr(trees, "CUDAGraphNode", None) or object, "run", self._counting("cudagraph_replays"))
+            # a node's first run right after its recording (a re-recording shows up here too)
+            self._wrap(getattr(trees, "CUDAGraphNode", None) or object, "run_first_inputs",
+                       self._counting("cudagraph_records"))
             self._wrap(getattr(trees, "CUDAWarmupNode", None) or object, "run", self._counting("cudagraph_warmups"))
         return self
 
@@ -888,7 +892,8 @@ def background_samplings(runner: Runner, target: Any, height: int, width: int, a
                      "step_ms_median": metrics.median(m.get("step_ms") or []),
                      "host_step_ms_median": metrics.median(m.get("host_step_ms") or []),
                      "gc_ms": m.get("gc_ms"), "host_copy_wait_ms": m.get("host_copy_wait_ms"),
-                     "cudagraph_replays": m.get("cudagraph_replays"), "cudagraph_warmups": m.get("cudagraph_warmups"),
+                     "cudagraph_replays": m.get("cudagraph_replays"), "cudagraph_records": m.get("cudagraph_records"),
+                     "cudagraph_warmups": m.get("cudagraph_warmups"),
                      # this process's peak over the sampling, and the device's use with the child on it
                      "peak_gib": metrics.peak_gib(device), "device_used_gib": metrics.device_used_gib(device)})
         print(f"background: sampling at {start:.1f}s took {m['e2e_s']:.2f}s ({m.get('it_s') or 0:.2f} it/s), "
