@@ -110,8 +110,6 @@ def _resolve(tensors: list[torch.Tensor], ints: list[int], spec: str) -> torch.T
     return patch(q, k, v, extra)
 
 
-
-
 host_call.register(RESOLVER, _resolve)
 
 
