@@ -11,6 +11,7 @@ best of 5; GPU time: CUDA events around the same N calls. Prints one JSON object
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -19,10 +20,12 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-#: ComfyUI 0.3.75's order where it sets one (comfy/ops.py: on Windows, cuDNN inserted first), then
-#: flash- and efficient-first, each inside ``sdpa_kernel(order, set_priority=True)`` as ComfyUI's
-#: wrapper calls it
-ORDERS = {
+#: how ComfyUI calls SDPA: on Linux 0.3.75 with no context (``None``: torch's default order; it
+#: sets its order on Windows only, comfy/ops.py, cuDNN inserted first), and inside
+#: ``sdpa_kernel(order, set_priority=True)`` as its wrapper does there, cuDNN-, flash- and
+#: efficient-first
+ORDERS: dict[str, list[SDPBackend] | None] = {
+    "default_no_context": None,
     "cudnn_first": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "flash_first": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "efficient_first": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
@@ -61,28 +64,22 @@ def sdpa_rows(calls: int) -> list[dict[str, Any]]:
         q = torch.randn(b, h, n, d, device="cuda", dtype=torch.float16)
         k = torch.randn(b, h, m, d, device="cuda", dtype=torch.float16)
         v = torch.randn(b, h, m, d, device="cuda", dtype=torch.float16)
-        # ComfyUI 0.3.75 on Linux: no context (its order is set on Windows only), torch's default
-        rows.append({"shape": name, "order": "default_no_context",
-                     **host_and_gpu_us(lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v),
-                                       calls)})
         for order_name, order in ORDERS.items():
-            def fn(order: list = order, q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> Any:
-                with sdpa_kernel(order, set_priority=True):
+            def fn(order: list | None = order, q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> Any:
+                with sdpa_kernel(order, set_priority=True) if order is not None else contextlib.nullcontext():
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
             try:
-                row = host_and_gpu_us(fn, calls)
+                row: dict[str, Any] = host_and_gpu_us(fn, calls)
             except RuntimeError as e:
-                row = {"error": str(e)[:200]}
-            rows.append({"shape": name, "order": order_name, **row})
-        # the backend each order picks: the kernel names the profiler sees
-        for order_name, order in ORDERS.items():
+                rows.append({"shape": name, "order": order_name, "error": str(e)[:200]})
+                continue
+            # the backend the order picks: the kernel names the profiler sees
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                with sdpa_kernel(order, set_priority=True):
-                    torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                fn()
                 torch.cuda.synchronize()
-            kernels = sorted({e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
-            rows.append({"shape": name, "order": order_name, "kernels": kernels})
+            row["kernels"] = sorted({e.name[:60] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+            rows.append({"shape": name, "order": order_name, **row})
     return rows
 
 

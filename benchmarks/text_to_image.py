@@ -352,34 +352,33 @@ class HostWaits:
             return counted
         return wrapper
 
+    def _timing(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """``HostCopied._host`` timed where it waits for the copy (its first read)."""
+        def timed(me: Any) -> Any:
+            if me._nx_ready[0] is None:
+                return orig(me)
+            t = time.perf_counter()
+            try:
+                return orig(me)
+            finally:
+                self.wait_s += time.perf_counter() - t
+                self.wait_n += 1
+        return timed
+
     def __enter__(self) -> HostWaits:
         import gc
 
         gc.callbacks.append(self._on_gc)
         host_call = sys.modules.get("nexfort_engine.host_call")
         if host_call is not None:
-            waits = self
-
-            def timing(orig: Callable[..., Any]) -> Callable[..., Any]:
-                def timed(me: Any) -> Any:
-                    if me._nx_ready[0] is None:
-                        return orig(me)
-                    t = time.perf_counter()
-                    try:
-                        return orig(me)
-                    finally:
-                        waits.wait_s += time.perf_counter() - t
-                        waits.wait_n += 1
-                return timed
-
-            self._wrap(host_call.HostCopied, "_host", timing)
+            self._wrap(host_call.HostCopied, "_host", self._timing)
         trees = sys.modules.get("torch._inductor.cudagraph_trees")
         if trees is not None:
-            self._wrap(getattr(trees, "CUDAGraphNode", None) or object, "run", self._counting("cudagraph_replays"))
+            node, warmup = getattr(trees, "CUDAGraphNode", object), getattr(trees, "CUDAWarmupNode", object)
+            self._wrap(node, "run", self._counting("cudagraph_replays"))
             # a node's first run right after its recording (a re-recording shows up here too)
-            self._wrap(getattr(trees, "CUDAGraphNode", None) or object, "run_first_inputs",
-                       self._counting("cudagraph_records"))
-            self._wrap(getattr(trees, "CUDAWarmupNode", None) or object, "run", self._counting("cudagraph_warmups"))
+            self._wrap(node, "run_first_inputs", self._counting("cudagraph_records"))
+            self._wrap(warmup, "run", self._counting("cudagraph_warmups"))
         return self
 
     def __exit__(self, *exc: Any) -> None:
