@@ -176,7 +176,7 @@ def nexfort_counts() -> dict[str, Any]:
         # what the graph passes rewrote, over all compiled models (fp8 attention: run106 on)
         "rewrites": {k: sum(int(m.get(k, 0)) for m in s.get("models", {}).values())
                      for k in ("fp8_quant_fused", "rope_fused", "attention_fp8", "fp8_stored_weights",
-                               "group_norms_rewritten", "sdpa_cudnn_first")},
+                               "group_norms_rewritten", "sdpa_cudnn_first", "gelu_epilogues")},
     }
 
 

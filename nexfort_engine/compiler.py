@@ -149,7 +149,7 @@ def register_ops() -> None:
     process would otherwise fail on the first such op (``torch.ops.nexfort`` has no attribute) and
     fall back to eager. Cheap: no Triton, no CUDA (the kernels load at their first GPU call)."""
     from . import absmax, fp8, fp8_attention, rope, rowwise_quant, trace_ops  # noqa: F401
-    from .passes import group_norm  # noqa: F401
+    from .passes import gelu_epilogue, group_norm  # noqa: F401
 
 
 def _cudagraph_skips() -> int:
@@ -233,6 +233,7 @@ class CompiledModule(torch.nn.Module):
         self._nx_fp8_stored = 0
         #: callers' SDPA priority lists with cuDNN moved ahead of flash (passes/sdpa_priority.py)
         self._nx_sdpa_reordered = 0
+        self._nx_gelu_epilogues = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         #: set up, but the first compiled call (entry verification, compile or load) not made yet:
@@ -365,6 +366,12 @@ class CompiledModule(torch.nn.Module):
             if n := rewrite_sdpa_priorities(gm):
                 self._nx_sdpa_reordered += n
                 counters.set_info(self._nx_label, sdpa_cudnn_first=self._nx_sdpa_reordered)
+        if self._nx_settings is not None and self._nx_settings.gelu_epilogue:
+            from .passes.gelu_epilogue import rewrite_gelu_epilogues
+
+            if n := rewrite_gelu_epilogues(gm):
+                self._nx_gelu_epilogues += n
+                counters.set_info(self._nx_label, gelu_epilogues=self._nx_gelu_epilogues)
         if self._nx_settings is not None and self._nx_settings.fp8_attention:
             from .passes.fp8_attention import rewrite_attentions
 
@@ -440,7 +447,8 @@ class CompiledModule(torch.nn.Module):
                         label, why)
             self._replace_workers(taken)
             (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants, self._nx_fused_ropes,
-             self._nx_fp8_attentions, self._nx_fp8_stored, self._nx_sdpa_reordered) = self._nx_counts_before
+             self._nx_fp8_attentions, self._nx_fp8_stored, self._nx_sdpa_reordered,
+             self._nx_gelu_epilogues) = self._nx_counts_before
             return None
         counters.set_info(label, compile_parts_streamed=streamer.report())
         if cut is None:
@@ -911,7 +919,7 @@ class CompiledModule(torch.nn.Module):
                                                   self._graph_passes)
                 self._nx_counts_before = (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants,
                                           self._nx_fused_ropes, self._nx_fp8_attentions, self._nx_fp8_stored,
-                                          self._nx_sdpa_reordered)
+                                          self._nx_sdpa_reordered, self._nx_gelu_epilogues)
             t1 = time.perf_counter()
             self._nx_defer_parts, self._nx_pending = True, None
             self._nx_trace_t0 = t1

@@ -69,6 +69,8 @@ class _Record:
     attention_fp8: int = 0
     #: callers' SDPA priority lists with cuDNN moved ahead of flash (passes/sdpa_priority.py)
     sdpa_cudnn_first: int = 0
+    #: linear + tanh-GELU pairs run as one GEMM with a GELU epilogue (passes/gelu_epilogue.py)
+    gelu_epilogues: int = 0
     #: fp8 GEMMs reading the weights a model stores in e4m3, no copy or cast (passes/fp8_stored.py)
     fp8_stored_weights: int = 0
     #: linears the host swapped for layers storing their weight in e4m3 (``"fp8_weights"``, fp8_weights.py)
@@ -148,6 +150,7 @@ class _Record:
             rope_fused=self.rope_fused,
             attention_fp8=self.attention_fp8,
             sdpa_cudnn_first=self.sdpa_cudnn_first,
+            gelu_epilogues=self.gelu_epilogues,
             fp8_stored_weights=self.fp8_stored_weights,
             fp8_weight_layers=self.fp8_weight_layers,
             host_calls=self.host_calls,

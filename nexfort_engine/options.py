@@ -94,6 +94,7 @@ TOP_LEVEL_KEYS = (
     "static_first",
     "fp8_weights",
     "sdpa_cudnn_first",
+    "gelu_epilogue",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -174,6 +175,10 @@ class CompileConfig:
     #: order starts with cuDNN: Hopper / datacenter Blackwell with cuDNN > 9.15), True/False =
     #: always (also on CPU: the graph changes, the CPU runs neither kernel) / never
     sdpa_cudnn_first: bool | None = None
+    #: a linear followed by tanh-GELU as one cuBLASLt GEMM with the GELU in its epilogue
+    #: (passes/gelu_epilogue.py: DiT MLPs); None = auto (on on the GPU with the Inductor backend),
+    #: True/False = always (on CPU: the torch twin) / never
+    gelu_epilogue: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -193,6 +198,8 @@ class CompileConfig:
             d.pop("fp8_weights")
         if d["sdpa_cudnn_first"] is None:  # added later; the effective value is in Settings.digest
             d.pop("sdpa_cudnn_first")
+        if d["gelu_epilogue"] is None:  # added later; the effective value is in Settings.digest
+            d.pop("gelu_epilogue")
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -367,6 +374,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         static_first=_as_optional_bool("static_first", options.get("static_first")),
         fp8_weights=_as_bool("fp8_weights", options.get("fp8_weights", False)),
         sdpa_cudnn_first=_as_optional_bool("sdpa_cudnn_first", options.get("sdpa_cudnn_first")),
+        gelu_epilogue=_as_optional_bool("gelu_epilogue", options.get("gelu_epilogue")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

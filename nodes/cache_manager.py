@@ -108,6 +108,8 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", {m['attention_fp8']} attentions in fp8 (cuDNN)"
         if m.get("sdpa_cudnn_first"):
             how += f", cuDNN attention ahead of flash in {m['sdpa_cudnn_first']} priority list(s)"
+        if m.get("gelu_epilogues"):
+            how += f", {m['gelu_epilogues']} linear + GELU pairs as one GEMM (GELU in its epilogue)"
         if m.get("fp8_weight_layers"):
             how += f", {m['fp8_weight_layers']} linear weights stored in fp8"
         if m.get("host_patches"):

@@ -23,7 +23,7 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
                       autotune_skipped="convolutional UNet compiled whole")
     counters.bump("UNetModel:aa", "compiles")
     counters.set_info("PixArt:bb", state="compiled", regions=["blocks[x28]"], fp8=True, rope_fused=4,
-                      attention_fp8=2, fp8_stored_weights=13, sdpa_cudnn_first=2)
+                      attention_fp8=2, fp8_stored_weights=13, sdpa_cudnn_first=2, gelu_epilogues=28)
     counters.add_reason("UNetModel:aa", "recompile", "0/0: tensor 'x' rank mismatch. expected 6, actual 4")
     text = cache_manager.report(CacheStore(tmp_path))
     unet = next(line for line in text.splitlines() if line.strip().startswith("UNetModel:aa"))
@@ -35,6 +35,7 @@ def test_report_names_regions_fp8_and_the_spatial_multiple(cache_manager, tmp_pa
     assert "4 query/key norm + rotary embeddings fused, 2 attentions in fp8 (cuDNN)" in pixart
     assert "attentions in fp8" not in unet
     assert ", cuDNN attention ahead of flash in 2 priority list(s)" in pixart and "ahead of flash" not in unet
+    assert ", 28 linear + GELU pairs as one GEMM (GELU in its epilogue)" in pixart and "GELU" not in unet
     assert ", 13 fp8 GEMMs on the weights as stored (e4m3)" in pixart and "as stored" not in unet
     assert "fp8 linears left off (model width 1280 < 2048)" in unet and "left off" not in pixart
     assert ", max-autotune left off (convolutional UNet compiled whole)" in unet
