@@ -12,7 +12,11 @@ Inductor's pointwise kernel):
 Each row: ms for both forms (GEMM and pointwise timed in one sequence) and the error of each
 against a float32 computation of the same thing.
 
-    python -m benchmarks.gemm_epilogues --output-json out.json
+``--autotune`` adds, for the MLP rows, Inductor's max-autotune on ``gelu(linear(...))``: its Triton
+GEMM templates against cuBLAS, the GELU fused into a template's epilogue where one wins (Inductor
+prints its choices and their timings to the log).
+
+    python -m benchmarks.gemm_epilogues --output-json out.json [--autotune]
 """
 
 from __future__ import annotations
@@ -70,6 +74,36 @@ def mlp_row(b: int, n: int, k: int, m: int, dtype: torch.dtype) -> dict[str, Any
     }
 
 
+#: plain linears of PixArt-α's block, for ``--autotune``
+LINEAR_SHAPES = {
+    "pixart_qkv": (2, 4096, 1152, 3456, torch.float16),
+    "pixart_proj": (2, 4096, 1152, 1152, torch.float16),
+    "pixart_fc2": (2, 4096, 4608, 1152, torch.float16),
+}
+
+
+def autotuned_row(b: int, n: int, k: int, m: int, dtype: torch.dtype, gelu: bool = True) -> dict[str, Any]:
+    x = torch.randn(b * n, k, device="cuda", dtype=dtype)
+    w = torch.randn(m, k, device="cuda", dtype=dtype) / k**0.5
+    bias = torch.randn(m, device="cuda", dtype=dtype) * 0.1
+
+    def fn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, w, bias)
+        return F.gelu(y, approximate="tanh") if gelu else y
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
+    with torch.no_grad():
+        compiled(x, w, bias)
+        ms = _time_ms(lambda: compiled(x, w, bias))
+    default = torch.compile(fn, dynamic=False)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        default(x, w, bias)
+        ms_default = _time_ms(lambda: default(x, w, bias))
+    return {"max_autotune_ms": ms, "inductor_default_ms": ms_default}
+
+
 def gated_row(b: int, n: int, k: int, m: int, dtype: torch.dtype) -> dict[str, Any]:
     a = torch.randn(b, n, k, device="cuda", dtype=dtype)
     x = torch.randn(b, n, m, device="cuda", dtype=dtype)
@@ -97,11 +131,15 @@ def gated_row(b: int, n: int, k: int, m: int, dtype: torch.dtype) -> dict[str, A
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-json")
+    ap.add_argument("--autotune", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     result: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                               "mlp": {n: mlp_row(*s) for n, s in MLP_SHAPES.items()},
                               "gated": {n: gated_row(*s) for n, s in GATED_SHAPES.items()}}
+    if args.autotune:
+        result["autotuned"] = {n: autotuned_row(*s) for n, s in MLP_SHAPES.items()}
+        result["autotuned"].update({n: autotuned_row(*s, gelu=False) for n, s in LINEAR_SHAPES.items()})
     text = json.dumps(result, indent=1)
     print(text)
     if args.output_json:
