@@ -702,10 +702,11 @@ class CompiledModule(torch.nn.Module):
             cudnn_attention_preferred=device_prefers_cudnn(capability, torch.backends.cudnn.version()),
         )
         if self._nx_settings.autotune_skipped:
-            counters.set_info(self._nx_label, autotune_skipped="convolutional UNet compiled whole")
-            log.info("nexfort: %s: O3's max-autotune left out (a convolutional UNet compiled whole: slower "
-                     "with it, and its cold compile takes many minutes); a mode string naming "
-                     "max-autotune keeps it", self._nx_label)
+            why = ("convolutional UNet compiled whole" if whole_conv_net
+                   else "no fp8 linears: cuBLAS beats Inductor's GEMM templates")
+            counters.set_info(self._nx_label, autotune_skipped=why)
+            log.info("nexfort: %s: O3's max-autotune left out (%s: slower with it, and a much longer cold "
+                     "compile); a mode string naming max-autotune keeps it", self._nx_label, why)
         # what Inductor compiles: under regional compilation only the blocks (a UNet's transformer
         # blocks have no convolutions; its convolutions then run eager, where channels-last
         # weights would only make cuDNN hand channels-last outputs to ATen's GroupNorm, which

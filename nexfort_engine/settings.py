@@ -150,8 +150,8 @@ class Settings:
     sdpa_cudnn_first: bool = False
     #: linear + tanh-GELU as nexfort::linear_gelu, a GEMM with a GELU epilogue (passes/gelu_epilogue.py)
     gelu_epilogue: bool = False
-    #: the preset's max-autotune left out (``autotune_pays`` false: a UNet compiled whole); the
-    #: effective inductor settings, and so :meth:`digest`, show it already
+    #: the preset's max-autotune left out (``autotune_pays`` false: a UNet compiled whole; or no fp8
+    #: linears); the effective inductor settings, and so :meth:`digest`, show it already
     autotune_skipped: bool = False
 
     def digest(self, config: CompileConfig) -> str:
@@ -233,7 +233,8 @@ def resolve(
     ``fp8_attention_capable``: cuDNN's fp8 attention runs on the device
     (:func:`nexfort_engine.fp8_attention.cudnn_supported`); auto fp8 attention needs it.
     ``autotune_pays``: max-autotune repays its compile on this model; when false (a convolutional
-    UNet compiled whole) a preset's ``max-autotune`` (O3) is left out, while a mode string that
+    UNet compiled whole) a preset's ``max-autotune`` (O3) is left out, as it is where no fp8 linears
+    run (16-bit GEMMs stay on cuBLAS, which beat Inductor's templates), while a mode string that
     names it keeps it.
     ``cudnn_attention_preferred``: torch's own attention order starts with cuDNN on the device
     (:func:`nexfort_engine.passes.sdpa_priority.device_prefers_cudnn`); auto ``sdpa_cudnn_first``
@@ -250,11 +251,27 @@ def resolve(
     dropped = tuple(f for f in config.flags if f in GPU_ONLY and not cuda)
     if dropped:
         _warn_once(f"no CUDA device: ignoring GPU-only mode flag(s) {', '.join(dropped)}")
+    # auto (None): on with the low-precision flag (O3) on a GPU with fp8 tensor cores: issue 6's
+    # definition of low precision ("fp8 matmuls where the GPU has them"). Measured on an H200
+    # (BENCHMARKS.md, fourth session): Flux +32 % over bf16 (regional, 9.58 vs 7.25 it/s), SDXL
+    # +1 % (static), at a large error against fp32 on random weights and +1.8 GB (SDXL) / +11 GB
+    # (Flux) of fp8 weight copies; O2 never turns it on. Only for models wide enough to repay the
+    # activations' quantization (``fp8_pays``, fp8.pays_off): SDXL O2 + fp8 measured 30.96 vs 31.00
+    # it/s (ninth session), PixArt 27.76 vs 27.67. ``"fp8": true`` forces it (also on CPU:
+    # correct, not faster, for tests), ``false`` keeps O3 in bf16/fp16.
+    low_precision = "low-precision" in config.flags and "low-precision" not in dropped
+    wanted = config.fp8 is True or (config.fp8 is None and low_precision and fp8_pays)
+    fp8 = wanted and (fp8_capable or (config.fp8 is True and not cuda))
+    if config.fp8 is True and not fp8:
+        _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")
     # O3's max-autotune on a convolutional UNet compiled whole: SDXL ran 6.5 % slower with it (its
     # GEMMs are already at 76 % of the fp16 peak with cuBLAS) and its cold compile did not finish in
     # 380 s twice (run234, and the fortieth session with fp8; SD2.1's static one not in 9 min): the
-    # preset leaves it out there (without it SDXL O3 + fp8 compiled cold in 47 s, 32.68 it/s)
-    autotune_skipped = (not autotune_pays and "max-autotune" in config.flags and cuda
+    # preset leaves it out there (without it SDXL O3 + fp8 compiled cold in 47 s, 32.68 it/s).
+    # Nor where no fp8 linears run (16-bit GEMMs): cuBLAS beat every Inductor GEMM template on
+    # PixArt-α's and Flux's shapes (run292), and PixArt O3 ran 2.4 % slower than O2 in one call for
+    # a 77 s cold compile against 6 s (run294, fifty-second session)
+    autotune_skipped = ((not autotune_pays or not fp8) and "max-autotune" in config.flags and cuda
                         and config.mode.strip() in PRESETS)
     for flag in config.flags:
         if flag in dropped or (flag == "max-autotune" and autotune_skipped):
@@ -276,19 +293,6 @@ def resolve(
         # Reductions are still tuned; max-autotune tunes pointwise kernels too; the
         # "triton.autotune_pointwise" option wins (overrides come next).
         inductor["triton.autotune_pointwise"] = False
-    # auto (None): on with the low-precision flag (O3) on a GPU with fp8 tensor cores: issue 6's
-    # definition of low precision ("fp8 matmuls where the GPU has them"). Measured on an H200
-    # (BENCHMARKS.md, fourth session): Flux +32 % over bf16 (regional, 9.58 vs 7.25 it/s), SDXL
-    # +1 % (static), at a large error against fp32 on random weights and +1.8 GB (SDXL) / +11 GB
-    # (Flux) of fp8 weight copies; O2 never turns it on. Only for models wide enough to repay the
-    # activations' quantization (``fp8_pays``, fp8.pays_off): SDXL O2 + fp8 measured 30.96 vs 31.00
-    # it/s (ninth session), PixArt 27.76 vs 27.67. ``"fp8": true`` forces it (also on CPU:
-    # correct, not faster, for tests), ``false`` keeps O3 in bf16/fp16.
-    low_precision = "low-precision" in config.flags and "low-precision" not in dropped
-    wanted = config.fp8 is True or (config.fp8 is None and low_precision and fp8_pays)
-    fp8 = wanted and (fp8_capable or (config.fp8 is True and not cuda))
-    if config.fp8 is True and not fp8:
-        _warn_once("this GPU has no fp8 tensor cores (needs sm89+): ignoring \"fp8\": true")
     if low_precision and not fp8 and fp16_accumulation:
         # "... fp16 accumulation otherwise" (issue 6): on GPUs without fp8 whose tensor cores
         # gain from it, cuBLAS fp16 GEMMs accumulate in fp16

@@ -30,7 +30,8 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             default="O2",
             tooltip="Compile mode. O1: fast compile. O2 (recommended): accurate, dynamic resolution, LoRA-safe. "
             "O3: lowest precision, fastest: fp8 linears on Ada/Hopper for wide DiTs such as Flux (lossy), "
-            "autotuning (left out on a UNet compiled whole such as SDXL, where it was slower), CUDA graphs, "
+            "autotuning of the fp8 graphs (left out where no fp8 linears run, and on a UNet compiled whole such as "
+            "SDXL: slower there, with a much longer compile), CUDA graphs, "
             "reduced-precision math. Flags can be combined with ':'; "
             "for any other combination put {\"mode\": \"...\"} in options.",
         ),

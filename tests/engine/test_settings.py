@@ -55,7 +55,7 @@ def test_no_warning_without_gpu_only_flags(caplog):
 
 
 def test_gpu_flags_kept_with_cuda():
-    s = S.resolve(parse_options({"mode": "O3"}), cuda=True)
+    s = S.resolve(parse_options({"mode": "O3"}), cuda=True, fp8_capable=True)
     assert s.dropped == ()
     assert s.inductor["triton.cudagraphs"] is True and s.inductor["max_autotune"] is True
     assert s.runtime["matmul_allow_tf32"] is True and s.runtime["cudnn_benchmark"] is True
@@ -127,11 +127,12 @@ def test_flag_table_lists_every_flag():
 def test_dynamic_shape_drops_coordinate_descent_tuning_unless_asked():
     """Its results are not reused by a second process for dynamic-shape kernels (a Flux O3 warm
     start re-tuned for 40 s), so O3 with dynamic shape autotunes GEMMs only; static keeps it."""
-    dyn = S.resolve(parse_options({"mode": "O3"}), cuda=True)
-    static = S.resolve(parse_options({"mode": "O3", "dynamic": False}), cuda=True)
+    dyn = S.resolve(parse_options({"mode": "O3"}), cuda=True, fp8_capable=True)
+    static = S.resolve(parse_options({"mode": "O3", "dynamic": False}), cuda=True, fp8_capable=True)
     assert dyn.inductor["max_autotune"] and dyn.inductor["coordinate_descent_tuning"] is False
     assert static.inductor["coordinate_descent_tuning"] is True
-    forced = S.resolve(parse_options({"mode": "O3", "options": {"inductor.coordinate_descent_tuning": True}}), cuda=True)
+    forced = S.resolve(parse_options({"mode": "O3", "options": {"inductor.coordinate_descent_tuning": True}}), cuda=True,
+                       fp8_capable=True)
     assert forced.inductor["coordinate_descent_tuning"] is True
 
 
@@ -139,10 +140,10 @@ def test_max_autotune_leaves_convolutions_to_cudnn_unless_asked():
     """cuDNN won 17 of SDXL's 18 convolution shapes while autotuning them cost 129 s of a cold
     compile (run63), so max-autotune tunes GEMMs and pointwise kernels only."""
     for options in ({"mode": "O3"}, {"mode": "O3", "dynamic": False}, {"mode": "max-autotune"}):
-        assert S.resolve(parse_options(options), cuda=True).inductor["max_autotune_conv_backends"] == "ATEN"
+        assert S.resolve(parse_options(options), cuda=True, fp8_capable=True).inductor["max_autotune_conv_backends"] == "ATEN"
     assert "max_autotune_conv_backends" not in S.resolve(parse_options({"mode": "O2"}), cuda=True).inductor
     forced = parse_options({"mode": "O3", "options": {"inductor.max_autotune_conv_backends": "ATEN,TRITON"}})
-    assert S.resolve(forced, cuda=True).inductor["max_autotune_conv_backends"] == "ATEN,TRITON"
+    assert S.resolve(forced, cuda=True, fp8_capable=True).inductor["max_autotune_conv_backends"] == "ATEN,TRITON"
 
 
 @pytest.mark.parametrize(
@@ -208,7 +209,7 @@ def test_pointwise_kernels_take_the_heuristics_block_size_unless_autotuning():
     tunes them on purpose) or the user's option asks for it, and that is a different cache entry."""
     for options in ({"mode": "O2"}, {"mode": "O2", "dynamic": False}, {"mode": "max-optimize:cudagraphs"}):
         assert S.resolve(parse_options(options), cuda=True).inductor["triton.autotune_pointwise"] is False
-    o3 = S.resolve(parse_options({"mode": "O3"}), cuda=True).inductor
+    o3 = S.resolve(parse_options({"mode": "O3"}), cuda=True, fp8_capable=True).inductor
     assert o3["max_autotune_pointwise"] is True and "triton.autotune_pointwise" not in o3
     plain_cfg = parse_options({"mode": "O2"})
     asked_cfg = parse_options({"mode": "O2", "options": {"triton.autotune_pointwise": True}})
@@ -226,12 +227,28 @@ def test_o3_leaves_max_autotune_out_on_a_unet_compiled_whole():
     assert skipped.autotune_skipped and not skipped.inductor.get("max_autotune")
     without = parse_options({"mode": "max-optimize:benchmark:cudagraphs:low-precision:cache-all"})
     assert skipped.inductor == S.resolve(without, cuda=True).inductor
-    kept = S.resolve(o3, cuda=True)
+    kept = S.resolve(o3, cuda=True, fp8_capable=True)
     assert kept.inductor["max_autotune"] and not kept.autotune_skipped
     assert skipped.digest(o3) != kept.digest(o3)
     named = parse_options({"mode": "max-optimize:max-autotune:low-precision"})
     assert S.resolve(named, cuda=True, autotune_pays=False).inductor["max_autotune"]
     assert not S.resolve(o3, cuda=False, autotune_pays=False).autotune_skipped  # CPU: dropped anyway
+
+
+def test_o3_leaves_max_autotune_out_without_fp8_linears():
+    """16-bit GEMMs stay on cuBLAS under max-autotune (it beat every Inductor template on PixArt's
+    and Flux's shapes, run292) and PixArt O3 ran 2.4 % slower than O2 for a 77 s cold compile
+    against 6 s (run294): the O3 preset keeps max-autotune only where fp8 linears run."""
+    o3 = parse_options({"mode": "O3"})
+    with_fp8 = S.resolve(o3, cuda=True, fp8_capable=True)
+    assert with_fp8.fp8 and with_fp8.inductor["max_autotune"] and not with_fp8.autotune_skipped
+    for no_fp8 in (S.resolve(o3, cuda=True),  # no fp8 tensor cores (A100)
+                   S.resolve(o3, cuda=True, fp8_capable=True, fp8_pays=False),  # PixArt, SDXL: too narrow
+                   S.resolve(parse_options({"mode": "O3", "fp8": False}), cuda=True, fp8_capable=True)):
+        assert not no_fp8.fp8 and no_fp8.autotune_skipped and not no_fp8.inductor.get("max_autotune")
+    assert with_fp8.digest(o3) != S.resolve(o3, cuda=True).digest(o3)
+    named = parse_options({"mode": "max-optimize:max-autotune:cudagraphs:low-precision"})
+    assert S.resolve(named, cuda=True).inductor["max_autotune"]  # asked for by name: kept
 
 
 @pytest.mark.parametrize(("net", "pays"), [
