@@ -233,6 +233,7 @@ class CompiledModule(torch.nn.Module):
         self._nx_fp8_stored = 0
         #: callers' SDPA priority lists with cuDNN moved ahead of flash (passes/sdpa_priority.py)
         self._nx_sdpa_reordered = 0
+        #: linear + tanh-GELU pairs run as one GEMM with a GELU epilogue (passes/gelu_epilogue.py)
         self._nx_gelu_epilogues = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
