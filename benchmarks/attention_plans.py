@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks import metrics
+
 #: name: (batch, heads, sequence, head dim, dtype): self-attention of the issue's models at 1024²
 SHAPES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
     "pixart_self": (2, 16, 4096, 72, torch.float16),
@@ -38,16 +40,8 @@ def _bnhd(b: int, h: int, n: int, d: int, dtype: torch.dtype, seed: int) -> torc
 
 
 def _time_ms(fn: Any, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    """ms per call of ``fn``, CUDA events around ``iters`` calls (``metrics.time_op``)."""
+    return 1000.0 * metrics.time_op(fn, torch.device("cuda"), iters=iters, warmup=3)
 
 
 def _torch_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:

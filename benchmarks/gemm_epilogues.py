@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks import metrics
+
 #: name: (batch, tokens, in features, out features, dtype)
 MLP_SHAPES = {
     "pixart_fc1": (2, 4096, 1152, 4608, torch.float16),
@@ -40,16 +42,8 @@ GATED_SHAPES = {
 
 
 def _time_ms(fn: Any, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    """ms per call of ``fn``, CUDA events around ``iters`` calls (``metrics.time_op``)."""
+    return 1000.0 * metrics.time_op(fn, torch.device("cuda"), iters=iters, warmup=5)
 
 
 def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
