@@ -3,7 +3,7 @@
 What: :func:`rewrite_gelu_epilogues` walks a Dynamo graph for ``gelu(linear(x, w, b),
 approximate="tanh")`` - the MLP of PixArt-α, SD3/MMDiT, Flux's double blocks, Wan, HunyuanDiT and
 LTX (``nn.GELU(approximate="tanh")`` after ComfyUI's ``Linear``) - where the linear has a bias and
-no other user, and replaces the pair with one call of ``nexfort::linear_gelu``. On CUDA that op is
+no other user and its operands are all float16 or all bfloat16, and replaces the pair with one call of ``nexfort::linear_gelu``. On CUDA that op is
 ``torch._addmm_activation(b, x, w.T, use_gelu=True)``: cuBLASLt's ``GELU_BIAS`` epilogue, the
 bias and the (tanh) GELU applied to the float32 accumulator before the one rounding to the model
 dtype. Elsewhere, and for inputs the epilogue does not take, it is the reference twin
@@ -98,8 +98,8 @@ def _match(gelu: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     vx, vw, vb = _val(x), _val(weight), _val(bias)
     if vx is None or vw is None or vb is None or vw.dim() != 2 or vb.dim() != 1 or vx.dim() < 2:
         return None
-    if not (vx.dtype == vw.dtype == vb.dtype) or vx.dtype not in _EPILOGUE_DTYPES + (torch.float32,):
-        return None
+    if not (vx.dtype == vw.dtype == vb.dtype) or vx.dtype not in _EPILOGUE_DTYPES:
+        return None  # float32 (or mixed) has no epilogue to gain: Inductor keeps its own kernels
     if type(vw) is not torch.Tensor and not isinstance(vw, torch._subclasses.FakeTensor):
         return None  # a tensor subclass (a quantized weight) has its own linear
     return x, weight, bias

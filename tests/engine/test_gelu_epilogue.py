@@ -37,15 +37,23 @@ class Mlp(torch.nn.Module):
         return self.fc2(self.drop(self.act(self.fc1(x))))
 
 
+#: the pass matches 16-bit graphs only (the epilogue's dtypes); CPU runs bfloat16 linears
+DT = torch.bfloat16
+
+
 def _x(n: int = 12) -> torch.Tensor:
     torch.manual_seed(0)
-    return torch.randn(2, n, 16)
+    return torch.randn(2, n, 16, dtype=DT)
+
+
+def _mlp(**kw) -> Mlp:
+    return Mlp(**kw).to(DT).eval()
 
 
 @torch.no_grad()
 def test_the_mlp_is_rewritten_and_matches_eager():
     torch.manual_seed(1)
-    mlp = Mlp().eval()
+    mlp = _mlp()
     out, ref, found, graphs = rewritten(rewrite_gelu_epilogues, mlp, (_x(),), {})
     assert found == [1]
     t = targets(graphs[0])
@@ -55,20 +63,23 @@ def test_the_mlp_is_rewritten_and_matches_eager():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: Mlp(approximate="none"),  # cuBLASLt's GELU is the tanh form: exact GELU is left alone
-    lambda: Mlp(bias=False),  # the op takes a bias
+    lambda: _mlp(approximate="none"),  # cuBLASLt's GELU is the tanh form: exact GELU is left alone
+    lambda: _mlp(bias=False),  # the op takes a bias
+    lambda: Mlp().eval(),  # float32: no epilogue to gain, Inductor keeps its kernels
 ])
 @torch.no_grad()
 def test_other_forms_are_left_alone(make):
     torch.manual_seed(1)
-    out, ref, found, graphs = rewritten(rewrite_gelu_epilogues, make().eval(), (_x(),), {})
+    model = make()
+    x = _x().to(next(model.parameters()).dtype)
+    out, ref, found, graphs = rewritten(rewrite_gelu_epilogues, model, (x,), {})
     assert found == [0] and OP not in targets(graphs[0])
     assert torch.allclose(out, ref, atol=1e-6)
 
 
 @torch.no_grad()
 def test_a_linear_read_twice_is_left_alone():
-    lin = torch.nn.Linear(16, 32)
+    lin = torch.nn.Linear(16, 32).to(DT)
 
     def fn(x):
         h = lin(x)
@@ -81,7 +92,7 @@ def test_a_linear_read_twice_is_left_alone():
 @torch.no_grad()
 def test_dynamic_tokens_keep_one_graph():
     torch.manual_seed(1)
-    mlp = Mlp().eval()
+    mlp = _mlp()
     found, graphs = [], []
 
     def backend(gm, example_inputs):
@@ -135,7 +146,7 @@ def test_engine_compile_counts_and_matches_eager(fresh_stats, monkeypatch):
     monkeypatch.delenv("NEXFORT_CACHE_DIR", raising=False)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Mlp(), Mlp()).eval()
+    model = torch.nn.Sequential(_mlp(), _mlp())
     x = _x()
     ref = model(x)
     cm = nexfort_engine.compile(model, {"backend": "aot_eager", "gelu_epilogue": True}, label="gelu-epilogue")
@@ -143,7 +154,7 @@ def test_engine_compile_counts_and_matches_eager(fresh_stats, monkeypatch):
     rec = fresh_stats()["models"][cm.label]
     assert rec["gelu_epilogues"] == 2 and rec["fallbacks"] == 0
     assert torch.allclose(out, ref, atol=1e-6)
-    off = nexfort_engine.compile(torch.nn.Sequential(Mlp()).eval(), {"backend": "aot_eager"}, label="gelu-off")
+    off = nexfort_engine.compile(torch.nn.Sequential(_mlp()), {"backend": "aot_eager"}, label="gelu-off")
     off(x)
     assert fresh_stats()["models"][off.label]["gelu_epilogues"] == 0  # CPU: auto is off
     torch._dynamo.reset()
@@ -154,7 +165,7 @@ def test_the_rewritten_graph_is_cacheable():
     does not re-trace the model."""
     from torch._functorch._aot_autograd import autograd_cache
 
-    _, _, found, graphs = rewritten(rewrite_gelu_epilogues, Mlp().eval(), (_x(),), {})
+    _, _, found, graphs = rewritten(rewrite_gelu_epilogues, _mlp(), (_x(),), {})
     assert found == [1]
     autograd_cache.check_cacheable(graphs[0])
 
