@@ -81,3 +81,100 @@ def test_quantizers_and_bad_arguments():
     with pytest.raises(ValueError, match="head dim 24 not supported; valid: 32, 64, 128, 256"):
         q8, qs = fa.quantize_tokens(torch.randn(1, 1, 4, 24))
         fa.torch_fp8_attention(q8, qs, q8, qs, torch.randn(1, 1, 4, 24), qs, 1.0, False, torch.float32)
+
+
+SPLIT_D_CHECK = textwrap.dedent(
+    """
+    import json, sys, torch
+    import torch.nn.functional as F
+    sys.path.insert(0, sys.argv[1])
+    from benchmarks import split_d_attention as sda
+    torch.manual_seed(0)
+    rows = []
+    for b, h, n, d, n_kv, dtype, cfg in [
+            (1, 2, 70, 72, 100, torch.float16, (32, 32, 4, 2, False)),  # PixArt's width, ragged blocks
+            (2, 1, 64, 72, 64, torch.float16, (32, 32, 4, 2, True)),  # even blocks, warp_specialize asked
+            (1, 2, 40, 96, 50, torch.float32, (16, 32, 4, 2, False)),  # 64 + 32
+            (1, 1, 33, 64, 48, torch.float16, (16, 16, 4, 2, False)),  # a power of two: no tail
+            (1, 1, 20, 40, 20, torch.float32, (16, 16, 4, 2, False))]:  # 32 + 16, 8 real
+        q = torch.randn(b, n, h, d, dtype=dtype).transpose(1, 2)
+        k, v = (torch.randn(b, n_kv, h, d, dtype=dtype).transpose(1, 2) for _ in range(2))
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        out = sda.split_d_attention(q, k, v, config=cfg)
+        twin = sda.split_d_attention_reference(q, k, v)
+        err = lambda t: float((t.float() - ref).norm() / ref.norm())
+        rows.append({"case": [b, h, n, d, n_kv, str(dtype)], "shape": list(out.shape),
+                     "stride": list(out.stride()), "diff": float((out.float() - twin.float()).abs().max()),
+                     "err": err(out), "twin_err": err(twin)})
+    print(json.dumps(rows))
+    """
+)
+
+
+def test_split_d_kernel_matches_twin_interpreted():
+    """The split-head-dim attention experiment (``benchmarks/split_d_attention.py``): the kernel
+    against float32 SDPA for head dims split into two blocks and one, ragged query and key
+    blocks, cross-attention lengths and ComfyUI's ``[B, N, H, D]`` storage. Tolerances: float32
+    inputs 1e-5 absolute (the same sums in another order); float16 within 2x the twin's own
+    error against float32 (the twin rounds once, the kernel also rounds P to float16)."""
+    pytest.importorskip("triton")
+    rows = interpreted(SPLIT_D_CHECK, str(REPO))
+    assert len(rows) == 5
+    for r in rows:
+        b, h, n, d, n_kv, dtype = r["case"]
+        assert r["shape"] == [b, h, n, d]
+        assert r["stride"] == [n * h * d, d, h * d, 1], r
+        if dtype == "torch.float32":
+            assert r["diff"] < 1e-5, r
+        else:
+            assert r["err"] < 2 * r["twin_err"] and r["err"] < 1e-3, r
+
+
+def test_split_dims_and_bad_arguments():
+    from benchmarks import split_d_attention as sda
+
+    assert sda.split_dims(72) == (64, 16)
+    assert sda.split_dims(80) == (64, 16)
+    assert sda.split_dims(96) == (64, 32)
+    assert sda.split_dims(64) == (64, 0)
+    assert sda.split_dims(128) == (128, 0)
+    assert sda.split_dims(120) == (128, 0)  # 64 + 64 is no narrower than one 128 block
+    assert sda.split_dims(40) == (32, 16)
+    assert sda.split_dims(8) == (16, 0)
+    for d in range(1, 257):
+        d0, d1 = sda.split_dims(d)
+        assert d0 + d1 >= d and d0 & (d0 - 1) == 0 and d0 >= 16 and (d1 == 0 or (d1 >= 16 and d1 & (d1 - 1) == 0))
+    x = torch.randn(1, 2, 4, 72, dtype=torch.float16)
+    with pytest.raises(ValueError, match="valid: one of torch.float16, torch.bfloat16"):
+        sda.split_d_attention(x.double(), x.double(), x.double())
+    with pytest.raises(ValueError, match=r"\[batch, heads, tokens, head dim\]"):
+        sda.split_d_attention(x[0], x[0], x[0])
+    with pytest.raises(ValueError, match="do not match"):
+        sda.split_d_attention(x, x[..., :64], x)
+    with pytest.raises(ValueError, match="head dim 320 not supported; valid: 1 to 256"):
+        y = torch.randn(1, 1, 4, 320, dtype=torch.float16)
+        sda.split_d_attention(y, y, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_d_kernel_on_the_gpu(dtype):
+    """On a GPU, PixArt's width at a smaller token count: within 2x the twin's error against
+    float32, for every configuration the benchmark tries (a configuration this Triton cannot build
+    is skipped by the benchmark, not here: it must build)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from benchmarks import split_d_attention as sda
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, 4, 72, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+
+    def err(t):
+        return float((t.float() - ref).norm() / ref.norm())
+
+    twin = err(sda.split_d_attention_reference(q, k, v))
+    for cfg in sda.CONFIGS:
+        if cfg[4]:
+            continue  # warp specialisation: whether this Triton builds it is what the benchmark records
+        assert err(sda.split_d_attention(q, k, v, config=cfg)) < 2 * twin + 1e-4, cfg

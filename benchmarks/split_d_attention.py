@@ -1,0 +1,229 @@
+"""Experiment: 16-bit attention for head dims that are not a power of two, with the head dim split.
+
+What: :func:`split_d_attention` computes ``scaled_dot_product_attention(q, k, v)`` (no mask, not
+causal; ``q``/``k``/``v`` ``[B, H, N, D]`` in float16 or bfloat16, any strides with the last one 1)
+in one Triton kernel (``split_d_attention_kernel.py``) whose head dimension is two power-of-two
+blocks: ``D0`` columns and a ``D1``-column tail masked to the real width (:func:`split_dims`).
+:func:`split_d_attention_reference` is the torch twin (SDPA in float32, rounded to the dtype).
+
+Why: PixArt-α's heads are 72 wide. cuDNN runs them in its 128-wide kernel (the twentieth session:
+80, 96 and 128 cost what 72 does), so 44 % of its tensor-core work multiplies zeros; its one fast
+plan (fifty-second session, ``benchmarks/attention_plans.py``) is the one torch builds, and it
+takes 13.3 of PixArt's 32.2 ms step on an H200. 64 + 16 columns do 62.5 % of that work. What it
+has to beat: cuDNN at 0.411 ms for PixArt's 2 × 16 × 4096² self-attention (376 TFLOP/s counted at
+72), where the eleventh session's Triton kernel reached 87 % of cuDNN's rate at SDXL's 64-wide
+heads (211 against 184 µs) without warp specialisation. A kernel at that efficiency on 80 columns
+would roughly tie; warp specialisation (``tl.range(..., warp_specialize=True)``, which Triton has
+on Hopper in recent versions) or two exponentials per instruction (``exp_f16x2``) would have to
+make the difference.
+
+    python -m benchmarks.split_d_attention --output-json out.json [--quick]
+
+times every configuration of :data:`CONFIGS` at :data:`SHAPES` beside torch's SDPA backends, with
+each output's error against float32 SDPA; GPU only. Nothing here is used by the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CONFIGS", "SHAPES", "split_d_attention", "split_d_attention_reference", "split_dims"]
+
+#: name: (batch, heads, sequence, head dim, dtype): self-attention of the issue's models at 1024²
+SHAPES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
+    "pixart_self": (2, 16, 4096, 72, torch.float16),
+    "sdxl_self": (2, 10, 4096, 64, torch.float16),
+    "flux_joint": (1, 24, 4608, 128, torch.bfloat16),
+}
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) tried for each shape
+CONFIGS: list[tuple[int, int, int, int, bool]] = [
+    (bm, bn, w, s, ws)
+    for bm, bn, w, s, ws in itertools.product((64, 128), (64, 128), (4, 8), (2, 3), (False, True))
+    if not (bm == 64 and w == 8)
+]
+_DTYPES = (torch.float16, torch.bfloat16)
+_kernel = None
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def split_dims(head_dim: int) -> tuple[int, int]:
+    """``(D0, D1)``: the power-of-two main block (the largest one that fits, at least 16) and the
+    power-of-two tail block (at least 16; 0 when there is none) that cover ``head_dim``; one
+    padded block where two would not be narrower (72 -> (64, 16), 96 -> (64, 32), 64 -> (64, 0),
+    120 -> (128, 0))."""
+    if head_dim < 1:
+        raise ValueError(f"split_dims: head dim {head_dim} must be positive")
+    d0 = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - d0
+    if rest <= 0:
+        return d0, 0
+    d1 = max(16, _pow2_at_least(rest))
+    if d0 + d1 >= _pow2_at_least(head_dim):
+        return _pow2_at_least(head_dim), 0
+    return d0, d1
+
+
+def split_d_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                scale: float | None = None) -> torch.Tensor:
+    """The twin: ``scaled_dot_product_attention`` in float32, rounded to ``q``'s dtype."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale).to(q.dtype)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("split_d_attention: q, k, v must be [batch, heads, tokens, head dim]")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES + (torch.float32,):
+        raise ValueError(f"split_d_attention: dtypes {q.dtype}, {k.dtype}, {v.dtype}; valid: one of "
+                         "torch.float16, torch.bfloat16 (torch.float32 under the interpreter)")
+    if q.shape[:2] != k.shape[:2] or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"split_d_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         "do not match (same batch, heads and head dim; k and v alike)")
+    if q.shape[-1] > 256:
+        raise ValueError(f"split_d_attention: head dim {q.shape[-1]} not supported; valid: 1 to 256")
+
+
+def split_d_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                      config: tuple[int, int, int, int, bool] = (128, 64, 8, 3, False),
+                      exp_f16x2: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention(q, k, v, scale=scale)`` by the Triton kernel (module
+    docstring). ``config`` is ``(BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize)``. The
+    output is a ``[B, H, N, D]`` view of ``[B, N, H, D]`` memory, as SDPA's kernels return it for
+    ComfyUI's inputs (its ``transpose(1, 2).reshape`` is then free)."""
+    global _kernel
+    _check(q, k, v)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if _kernel is None:
+        from benchmarks.split_d_attention_kernel import split_d_attention_kernel as _kernel
+    b, h, n_q, d = q.shape
+    n_kv = k.shape[2]
+    d0, d1 = split_dims(d)
+    bm, bn, warps, stages, ws = config
+    out = torch.empty(b, n_q, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    qk_scale = (scale if scale is not None else 1.0 / math.sqrt(d)) * 1.4426950408889634
+    kw: dict[str, Any] = {"num_warps": warps, "num_stages": stages}
+    if q.device.type != "cuda":
+        kw = {}
+    _kernel[(_cdiv(n_q, bm), b * h)](
+        q, k, v, out, qk_scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        h, n_q, n_kv,
+        HEAD_DIM=d, D0=d0, D1=d1 or 16, HAS_TAIL=d1 > 0, BLOCK_M=bm, BLOCK_N=bn, EVEN_KV=n_kv % bn == 0,
+        WARP_SPECIALIZE=ws, EXP_F16X2=exp_f16x2, **kw,
+    )
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --- the GPU benchmark ------------------------------------------------------------------------
+
+
+def _bnhd(b: int, h: int, n: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A [b, h, n, d] view of [b, n, h, d] memory, as ComfyUI's attention passes them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+
+
+def _time_ms(fn: Any, iters: int = 30) -> float:
+    from benchmarks import metrics
+
+    return 1000.0 * metrics.time_op(fn, torch.device("cuda"), iters=iters, warmup=3)
+
+
+def _rel(t: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((t.float() - ref).norm() / ref.norm())
+
+
+def _shape_rows(name: str, configs: list[tuple[int, int, int, int, bool]]) -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, h, n, d, dtype = SHAPES[name]
+    q, k, v = (_bnhd(b, h, n, d, dtype, seed) for seed in (1, 2, 3))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    flops = 4.0 * b * h * n * n * d
+    row: dict[str, Any] = {"shape": [b, h, n, d, str(dtype)], "split": list(split_dims(d)), "torch": {}, "triton": []}
+    for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(q, k, v)
+                ms = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+            row["torch"][label] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": _rel(out, ref)}
+        except Exception as exc:  # a backend that does not take this shape
+            row["torch"][label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    for cfg in configs:
+        entry: dict[str, Any] = {"config": list(cfg)}
+        try:
+            t0 = time.perf_counter()
+            out = split_d_attention(q, k, v, config=cfg)
+            torch.cuda.synchronize()
+            entry["first_call_s"] = time.perf_counter() - t0
+            ms = _time_ms(lambda cfg=cfg: split_d_attention(q, k, v, config=cfg))
+            entry.update(ms=ms, tflops=flops / ms / 1e9, rel_err=_rel(out, ref))
+        except Exception as exc:  # a configuration this Triton cannot build (registers, shared memory)
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        row["triton"].append(entry)
+    timed = [e for e in row["triton"] if "ms" in e]
+    if timed:
+        best = min(timed, key=lambda e: e["ms"])
+        cfg = tuple(best["config"])
+        try:
+            out = split_d_attention(q, k, v, config=cfg, exp_f16x2=True)
+            ms = _time_ms(lambda: split_d_attention(q, k, v, config=cfg, exp_f16x2=True))
+            row["best_exp_f16x2"] = {"config": list(cfg), "ms": ms, "tflops": flops / ms / 1e9,
+                                     "rel_err": _rel(out, ref)}
+        except Exception as exc:
+            row["best_exp_f16x2"] = {"config": list(cfg), "error": f"{type(exc).__name__}: {exc}"[:300]}
+        row["best"] = best
+        cudnn = row["torch"].get("cudnn", {})
+        if "ms" in cudnn:
+            row["best_vs_cudnn"] = cudnn["ms"] / best["ms"]
+            row["best_err_vs_cudnn_err"] = best["rel_err"] / cudnn["rel_err"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--output-json", required=True)
+    ap.add_argument("--quick", action="store_true", help="PixArt's shape with every configuration, the others "
+                    "with PixArt's best four")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("split_d_attention: needs a CUDA GPU")
+    import triton
+
+    result: dict[str, Any] = {"torch": torch.__version__, "triton": triton.__version__,
+                              "device": torch.cuda.get_device_name(), "shapes": {}}
+    configs = CONFIGS
+    for name in args.shapes:
+        row = _shape_rows(name, configs)
+        result["shapes"][name] = row
+        if args.quick and name == "pixart_self":
+            timed = sorted((e for e in row["triton"] if "ms" in e), key=lambda e: e["ms"])
+            configs = [tuple(e["config"]) for e in timed[:4]] or CONFIGS[:4]
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(name, json.dumps({k: row.get(k) for k in ("best", "best_vs_cudnn", "best_err_vs_cudnn_err")}),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

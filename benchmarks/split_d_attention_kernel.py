@@ -1,0 +1,112 @@
+"""The Triton kernel behind :func:`benchmarks.split_d_attention.split_d_attention` (imported only
+when it first runs; see that module for what it computes and why).
+
+One program per ``BLOCK_M`` query rows of one (batch, head): the flash-attention forward loop
+(online softmax in base 2) over ``BLOCK_N`` key/value rows at a time, in the inputs' 16-bit dtype
+with float32 accumulators. The head dimension is held as two power-of-two blocks, ``D0`` columns
+and, with ``HAS_TAIL``, a ``D1``-column tail masked to the real width (PixArt-α's 72 = 64 + 16 with
+8 of the tail's columns real), so both products do 80 columns of work where one power-of-two
+block does 128. ``q·kᵀ`` is the sum of the two blocks' products (the second accumulates into the
+first); ``P·V`` goes to two accumulators. ``WARP_SPECIALIZE`` asks Triton for warp-specialised
+code on the key/value loop (``tl.range(..., warp_specialize=True)``: Hopper and later, in the
+Triton versions that have it), ``EXP_F16X2`` computes the exponentials two per MUFU instruction
+in float16. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it runs on CPU
+tensors: the tests compare it with the torch twin that way."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["split_d_attention_kernel"]
+
+
+@triton.jit
+def _exp2(x, EXP_F16X2: tl.constexpr):
+    if EXP_F16X2:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2,
+        ).to(tl.float32)
+    else:
+        return tl.math.exp2(x)
+
+
+@triton.jit
+def split_d_attention_kernel(
+    Q, K, V, Out,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    H, N_Q, N_KV,
+    HEAD_DIM: tl.constexpr,
+    D0: tl.constexpr,
+    D1: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_KV: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
+    EXP_F16X2: tl.constexpr = False,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d0 = tl.arange(0, D0)
+    offs_d1 = D0 + tl.arange(0, D1)
+    d1_ok = offs_d1 < HEAD_DIM
+    m_ok = offs_m < N_Q
+
+    q_base = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
+    q0 = tl.load(q_base + offs_d0[None, :], mask=m_ok[:, None], other=0.0)
+    if HAS_TAIL:
+        q1 = tl.load(q_base + offs_d1[None, :], mask=m_ok[:, None] & d1_ok[None, :], other=0.0)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+
+    for start_n in tl.range(0, N_KV, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        n_idx = start_n + offs_n
+        n_ok = n_idx < N_KV
+        k_rows = k_base + n_idx[:, None] * stride_kn
+        v_rows = v_base + n_idx[:, None] * stride_vn
+        if EVEN_KV:
+            k0 = tl.load(k_rows + offs_d0[None, :])
+        else:
+            k0 = tl.load(k_rows + offs_d0[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q0, tl.trans(k0))
+        if HAS_TAIL:
+            k1 = tl.load(k_rows + offs_d1[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
+            s = tl.dot(q1, tl.trans(k1), s)
+        s = s * qk_scale
+        if not EVEN_KV:
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = _exp2(s - m_new[:, None], EXP_F16X2)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if EVEN_KV:
+            v0 = tl.load(v_rows + offs_d0[None, :])
+        else:
+            v0 = tl.load(v_rows + offs_d0[None, :], mask=n_ok[:, None], other=0.0)
+        p16 = p.to(v0.dtype)
+        acc0 = tl.dot(p16, v0, acc0 * alpha[:, None])
+        if HAS_TAIL:
+            v1 = tl.load(v_rows + offs_d1[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
+            acc1 = tl.dot(p16, v1, acc1 * alpha[:, None])
+        m_i = m_new
+
+    o_base = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
+    inv_l = 1.0 / l_i
+    tl.store(o_base + offs_d0[None, :], (acc0 * inv_l[:, None]).to(Out.dtype.element_ty), mask=m_ok[:, None])
+    if HAS_TAIL:
+        tl.store(o_base + offs_d1[None, :], (acc1 * inv_l[:, None]).to(Out.dtype.element_ty),
+                 mask=m_ok[:, None] & d1_ok[None, :])
