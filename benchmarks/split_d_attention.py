@@ -20,7 +20,10 @@ make the difference.
     python -m benchmarks.split_d_attention --output-json out.json [--quick]
 
 times every configuration of :data:`CONFIGS` at :data:`SHAPES` beside torch's SDPA backends, with
-each output's error against float32 SDPA; GPU only. Nothing here is used by the engine.
+each output's error against float32 SDPA; GPU only. In a whole model:
+``python -m benchmarks.text_to_image --model pixart --attention-experiment split-d:128x64x8x3``
+(:func:`install_in_comfy`: ComfyUI's attention sends such heads to the kernel as a custom op).
+Nothing here is used by the engine.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CONFIGS", "SHAPES", "split_d_attention", "split_d_attention_reference", "split_dims"]
+__all__ = ["CONFIGS", "SHAPES", "comfy_attention", "install_in_comfy", "parse_config", "split_d_attention",
+           "split_d_attention_reference", "split_dims", "uninstall_from_comfy"]
 
 #: name: (batch, heads, sequence, head dim, dtype): self-attention of the issue's models at 1024²
 SHAPES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
@@ -129,6 +133,114 @@ def split_d_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# --- in a ComfyUI model (the text-to-image bench's --attention-experiment split-d) --------------
+
+_OP: Any = None
+
+
+def _register_op() -> Any:
+    """``nexfort_bench::split_d_attention(q, k, v, config)`` as a custom op (Dynamo keeps it whole,
+    CUDA graphs capture it: it does no host work), its fake the kernel's output layout."""
+    global _OP
+    if _OP is not None:
+        return _OP
+
+    @torch.library.custom_op("nexfort_bench::split_d_attention", mutates_args=())
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: list[int]) -> torch.Tensor:
+        bm, bn, warps, stages, ws = config
+        return split_d_attention(q, k, v, config=(bm, bn, warps, stages, bool(ws)))
+
+    @op.register_fake
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: list[int]) -> torch.Tensor:
+        b, h, n, d = q.shape
+        return q.new_empty((b, n, h, d)).transpose(1, 2)
+
+    _OP = op
+    return op
+
+
+#: how many attention calls :func:`comfy_attention` sent to the op (Python calls: eager runs and traces)
+routed = 0
+
+
+def comfy_attention(original: Any, config: tuple[int, int, int, int, bool], *, cpu: bool = False) -> Any:
+    """ComfyUI's ``optimized_attention`` with unmasked 16-bit CUDA attention whose head dim is not a
+    power of two (PixArt-α's 72) sent to the op; everything else (masks, attention patches, float32
+    - the bench's float32 reference -, power-of-two heads, CPU) to ``original``. ``cpu``: CPU
+    tensors in any of the kernel's dtypes go to the op too (the tests, under Triton's interpreter)."""
+    op = _register_op()
+    cfg = [int(c) for c in config]
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: Any = None,
+                  attn_precision: Any = None, skip_reshape: bool = False, skip_output_reshape: bool = False,
+                  **kwargs: Any) -> torch.Tensor:
+        global routed
+        d = q.shape[-1] if skip_reshape else q.shape[-1] // heads
+        takes = q.dtype in _DTYPES and q.is_cuda or cpu and q.device.type == "cpu" and q.dtype in _DTYPES + (
+            torch.float32,)
+        if (mask is not None or (kwargs.get("transformer_options") or {}).get("patches_replace") or not takes
+                or d & (d - 1) == 0 or d > 256):
+            return original(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                            skip_output_reshape=skip_output_reshape, **kwargs)
+        routed += 1
+        b = q.shape[0]
+        if not skip_reshape:
+            q, k, v = (t.view(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
+        out = op(q, k, v, cfg)
+        if skip_output_reshape:
+            return out
+        return out.transpose(1, 2).reshape(b, -1, heads * d)
+
+    attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return attention
+
+
+def install_in_comfy(config: tuple[int, int, int, int, bool] = (128, 64, 8, 3, False), *,
+                     cpu: bool = False) -> list[str]:
+    """Point every loaded ``comfy.ldm`` module's ``optimized_attention`` (each imported the name
+    from ``comfy.ldm.modules.attention``) at :func:`comfy_attention`; returns the modules changed
+    (:func:`uninstall_from_comfy` puts ComfyUI's back). Call after ComfyUI is imported."""
+    import importlib
+    import sys
+
+    attn = importlib.import_module("comfy.ldm.modules.attention")
+    importlib.import_module("comfy.ldm.pixart.blocks")
+    original = attn.optimized_attention
+    patched = comfy_attention(original, config, cpu=cpu)
+    changed = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("comfy.ldm") and getattr(mod, "optimized_attention", None) is original:
+            mod.optimized_attention = patched
+            changed.append(name)
+    return changed
+
+
+def uninstall_from_comfy() -> list[str]:
+    """Undo :func:`install_in_comfy`; returns the modules changed back."""
+    import sys
+
+    changed = []
+    for name, mod in list(sys.modules.items()):
+        fn = getattr(mod, "optimized_attention", None) if name.startswith("comfy.ldm") else None
+        if fn is not None and getattr(fn, "__wrapped__", None) is not None and fn.__name__ == "attention":
+            mod.optimized_attention = fn.__wrapped__
+            changed.append(name)
+    return changed
+
+
+def parse_config(text: str) -> tuple[int, int, int, int, bool]:
+    """``BMxBNxWARPSxSTAGES[xws]`` (e.g. ``128x64x8x3``, ``128x128x8x2xws``) -> a config tuple."""
+    parts = text.split("x")
+    ws = parts[-1] == "ws"
+    if ws:
+        parts = parts[:-1]
+    try:
+        bm, bn, warps, stages = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"attention config {text!r}: valid: BMxBNxWARPSxSTAGES[xws], e.g. 128x64x8x3") from None
+    return bm, bn, warps, stages, ws
 
 
 # --- the GPU benchmark ------------------------------------------------------------------------

@@ -58,11 +58,13 @@ def split_d_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d0 = tl.arange(0, D0)
     offs_d1 = D0 + tl.arange(0, D1)
+    # D0 > HEAD_DIM: one padded block (120 -> 128), its columns masked like the tail's
+    d0_ok = offs_d0 < HEAD_DIM
     d1_ok = offs_d1 < HEAD_DIM
     m_ok = offs_m < N_Q
 
     q_base = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
-    q0 = tl.load(q_base + offs_d0[None, :], mask=m_ok[:, None], other=0.0)
+    q0 = tl.load(q_base + offs_d0[None, :], mask=m_ok[:, None] & d0_ok[None, :], other=0.0)
     if HAS_TAIL:
         q1 = tl.load(q_base + offs_d1[None, :], mask=m_ok[:, None] & d1_ok[None, :], other=0.0)
     k_base = K + b * stride_kb + h * stride_kh
@@ -78,10 +80,10 @@ def split_d_attention_kernel(
         n_ok = n_idx < N_KV
         k_rows = k_base + n_idx[:, None] * stride_kn
         v_rows = v_base + n_idx[:, None] * stride_vn
-        if EVEN_KV:
+        if EVEN_KV and D0 <= HEAD_DIM:
             k0 = tl.load(k_rows + offs_d0[None, :])
         else:
-            k0 = tl.load(k_rows + offs_d0[None, :], mask=n_ok[:, None], other=0.0)
+            k0 = tl.load(k_rows + offs_d0[None, :], mask=n_ok[:, None] & d0_ok[None, :], other=0.0)
         s = tl.dot(q0, tl.trans(k0))
         if HAS_TAIL:
             k1 = tl.load(k_rows + offs_d1[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
@@ -93,10 +95,10 @@ def split_d_attention_kernel(
         p = _exp2(s - m_new[:, None], EXP_F16X2)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if EVEN_KV:
+        if EVEN_KV and D0 <= HEAD_DIM:
             v0 = tl.load(v_rows + offs_d0[None, :])
         else:
-            v0 = tl.load(v_rows + offs_d0[None, :], mask=n_ok[:, None], other=0.0)
+            v0 = tl.load(v_rows + offs_d0[None, :], mask=n_ok[:, None] & d0_ok[None, :], other=0.0)
         p16 = p.to(v0.dtype)
         acc0 = tl.dot(p16, v0, acc0 * alpha[:, None])
         if HAS_TAIL:
@@ -106,7 +108,8 @@ def split_d_attention_kernel(
 
     o_base = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
     inv_l = 1.0 / l_i
-    tl.store(o_base + offs_d0[None, :], (acc0 * inv_l[:, None]).to(Out.dtype.element_ty), mask=m_ok[:, None])
+    tl.store(o_base + offs_d0[None, :], (acc0 * inv_l[:, None]).to(Out.dtype.element_ty),
+             mask=m_ok[:, None] & d0_ok[None, :])
     if HAS_TAIL:
         tl.store(o_base + offs_d1[None, :], (acc1 * inv_l[:, None]).to(Out.dtype.element_ty),
                  mask=m_ok[:, None] & d1_ok[None, :])

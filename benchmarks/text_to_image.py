@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-controlnet", action="store_true",
                    help="with --controlnet and --compiler nexfort: compile the ControlNet too (Nexfort Compile "
                         "ControlNet's glue, the same --compiler-config)")
+    p.add_argument("--attention-experiment", default=None, metavar="split-d[:BMxBNxWARPSxSTAGES[xws]]",
+                   help="experiment: ComfyUI's unmasked 16-bit attention with a head dim that is not a power "
+                   "of two runs benchmarks/split_d_attention.py's Triton kernel (default config 128x64x8x3)")
     p.add_argument("--patch", choices=sorted(PATCH_NODES), default=None,
                    help="a ComfyUI model-patch node applied to the model every sampling (also the eager and "
                         "float32 references), after the compiler as a workflow places it: " + "; ".join(
@@ -655,6 +658,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         from nexfort_engine.passes import fp8_stored
 
         fp8_stored.enabled = False
+    attention_experiment = None
+    if args.attention_experiment:
+        from benchmarks import split_d_attention
+
+        name, _, cfg = args.attention_experiment.partition(":")
+        if name != "split-d":
+            raise SystemExit(f"--attention-experiment {name!r}: valid: split-d[:BMxBNxWARPSxSTAGES[xws]]")
+        config = split_d_attention.parse_config(cfg or "128x64x8x3")
+        modules = split_d_attention.install_in_comfy(config)
+        attention_experiment = f"{name}:{'x'.join(str(int(c)) for c in config[:4])}" + ("xws" if config[4] else "")
+        print(f"[bench] attention experiment {attention_experiment} in {', '.join(modules)}", flush=True)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny on CPU)")
@@ -683,6 +697,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "controlnet_end_percent": args.controlnet,
         "controlnet_compiled": bool(args.compile_controlnet),
         "patch": args.patch,
+        "attention_experiment": attention_experiment,
         "cfg": runner.cfg,
         "sampler": args.sampler,
         "scheduler": runner.scheduler,

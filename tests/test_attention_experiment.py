@@ -96,7 +96,8 @@ SPLIT_D_CHECK = textwrap.dedent(
             (2, 1, 64, 72, 64, torch.float16, (32, 32, 4, 2, True)),  # even blocks, warp_specialize asked
             (1, 2, 40, 96, 50, torch.float32, (16, 32, 4, 2, False)),  # 64 + 32
             (1, 1, 33, 64, 48, torch.float16, (16, 16, 4, 2, False)),  # a power of two: no tail
-            (1, 1, 20, 40, 20, torch.float32, (16, 16, 4, 2, False))]:  # 32 + 16, 8 real
+            (1, 1, 20, 40, 20, torch.float32, (16, 16, 4, 2, False)),  # 32 + 16, 8 real
+            (1, 2, 30, 24, 30, torch.float16, (16, 16, 4, 2, False))]:  # one padded block: 32, 24 real
         q = torch.randn(b, n, h, d, dtype=dtype).transpose(1, 2)
         k, v = (torch.randn(b, n_kv, h, d, dtype=dtype).transpose(1, 2) for _ in range(2))
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
@@ -119,7 +120,7 @@ def test_split_d_kernel_matches_twin_interpreted():
     error against float32 (the twin rounds once, the kernel also rounds P to float16)."""
     pytest.importorskip("triton")
     rows = interpreted(SPLIT_D_CHECK, str(REPO))
-    assert len(rows) == 5
+    assert len(rows) == 6
     for r in rows:
         b, h, n, d, n_kv, dtype = r["case"]
         assert r["shape"] == [b, h, n, d]
@@ -178,3 +179,50 @@ def test_split_d_kernel_on_the_gpu(dtype):
         if cfg[4]:
             continue  # warp specialisation: whether this Triton builds it is what the benchmark records
         assert err(sda.split_d_attention(q, k, v, config=cfg)) < 2 * twin + 1e-4, cfg
+
+
+SPLIT_D_COMFY = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+    import tiny_models as tm
+    tm.boot()
+    import comfy.ldm.modules.attention as A
+    from benchmarks import split_d_attention as sda
+    rows = {}
+    # a tiny PixArt-alpha (2 heads of 24: one padded 32-wide block) sampled through ComfyUI
+    mp = tm.tiny_pixart(seed=3)
+    ref = tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0)
+    rows["modules"] = sda.install_in_comfy((16, 16, 4, 2, False), cpu=True)
+    out = tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0)
+    rows["routed"] = sda.routed
+    rows["rel"] = tm.rel_err(out, ref)
+    rows["back"] = sda.uninstall_from_comfy()
+    rows["after"] = tm.rel_err(tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0), ref)
+    rows["routed_after"] = sda.routed
+    # the op under torch.compile: one graph for two token counts, equal to ComfyUI's attention
+    patched = sda.comfy_attention(A.attention_pytorch, (16, 16, 4, 2, False), cpu=True)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: patched(q, k, v, 2), backend="aot_eager", dynamic=True, fullgraph=True)
+    errs = []
+    for n in (40, 56):
+        q, k, v = (torch.randn(2, n, 2 * 24) for _ in range(3))
+        errs.append(float((fn(q, k, v) - A.attention_pytorch(q, k, v, 2)).abs().max()))
+    rows["compiled_diff"] = errs
+    rows["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    print(json.dumps([rows]))
+    """
+)
+
+
+def test_split_d_attention_in_comfyui_interpreted(comfy_inproc):
+    """The bench's ``--attention-experiment split-d`` hook (``install_in_comfy``): ComfyUI's model
+    modules get the routing attention and get theirs back; a tiny PixArt-α samples through the
+    kernel (every self- and cross-attention: 2 blocks x 2 for one step) to what ComfyUI's own
+    attention gives; and the custom op traces into one dynamic-shape graph."""
+    pytest.importorskip("triton")
+    (r,) = interpreted(SPLIT_D_COMFY, str(REPO))
+    assert "comfy.ldm.pixart.blocks" in r["modules"] and sorted(r["back"]) == sorted(r["modules"])
+    assert r["routed"] == 4 and r["routed_after"] == 4, r
+    assert r["rel"] < 1e-5 and r["after"] == 0.0, r
+    assert max(r["compiled_diff"]) < 1e-5 and r["graphs"] == 1, r
