@@ -10,7 +10,8 @@ block does 128. ``q·kᵀ`` is the sum of the two blocks' products (the second a
 first); ``P·V`` goes to two accumulators. ``WARP_SPECIALIZE`` asks Triton for warp-specialised
 code on the key/value loop (``tl.range(..., warp_specialize=True)``: Hopper and later, in the
 Triton versions that have it), ``EXP_F16X2`` computes the exponentials two per MUFU instruction
-in float16. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it runs on CPU
+in float16, ``LAZY_RESCALE`` rescales the accumulators only when a row's running max grew by more
+than 8 (in log2 units), not at every block. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it runs on CPU
 tensors: the tests compare it with the torch twin that way."""
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def split_d_attention_kernel(
     EVEN_KV: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
     EXP_F16X2: tl.constexpr = False,
+    LAZY_RESCALE: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -88,23 +90,39 @@ def split_d_attention_kernel(
         if HAS_TAIL:
             k1 = tl.load(k_rows + offs_d1[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
             s = tl.dot(q1, tl.trans(k1), s)
-        s = s * qk_scale
         if not EVEN_KV:
             s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = _exp2(s - m_new[:, None], EXP_F16X2)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # the scale is applied with the running max subtracted, in one FMA per score
+        m_blk = tl.max(s, 1) * qk_scale
+        if LAZY_RESCALE:
+            # rescale the accumulators only when some row's max grew by more than 2^8 (FlashAttention-4's
+            # trick): otherwise the old max stays, p <= 256, and the final division is unchanged
+            if tl.max(m_blk - m_i, 0) > 8.0:
+                m_new = tl.maximum(m_i, m_blk)
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                m_i = m_new
+            p = _exp2(s * qk_scale - m_i[:, None], EXP_F16X2)
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            m_new = tl.maximum(m_i, m_blk)
+            p = _exp2(s * qk_scale - m_new[:, None], EXP_F16X2)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            m_i = m_new
         if EVEN_KV and D0 <= HEAD_DIM:
             v0 = tl.load(v_rows + offs_d0[None, :])
         else:
             v0 = tl.load(v_rows + offs_d0[None, :], mask=n_ok[:, None] & d0_ok[None, :], other=0.0)
         p16 = p.to(v0.dtype)
-        acc0 = tl.dot(p16, v0, acc0 * alpha[:, None])
+        acc0 = tl.dot(p16, v0, acc0)
         if HAS_TAIL:
             v1 = tl.load(v_rows + offs_d1[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
-            acc1 = tl.dot(p16, v1, acc1 * alpha[:, None])
-        m_i = m_new
+            acc1 = tl.dot(p16, v1, acc1)
 
     o_base = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
     inv_l = 1.0 / l_i

@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-controlnet", action="store_true",
                    help="with --controlnet and --compiler nexfort: compile the ControlNet too (Nexfort Compile "
                         "ControlNet's glue, the same --compiler-config)")
-    p.add_argument("--attention-experiment", default=None, metavar="split-d[:BMxBNxWARPSxSTAGES[xws]]",
+    p.add_argument("--attention-experiment", default=None, metavar="split-d[:BMxBNxWARPSxSTAGES[xws][xf16][xlazy]]",
                    help="experiment: ComfyUI's unmasked 16-bit attention with a head dim that is not a power "
                    "of two runs benchmarks/split_d_attention.py's Triton kernel (default config 128x64x8x3)")
     p.add_argument("--patch", choices=sorted(PATCH_NODES), default=None,
@@ -664,10 +664,13 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         name, _, cfg = args.attention_experiment.partition(":")
         if name != "split-d":
-            raise SystemExit(f"--attention-experiment {name!r}: valid: split-d[:BMxBNxWARPSxSTAGES[xws]]")
-        config = split_d_attention.parse_config(cfg or "128x64x8x3")
+            raise SystemExit(f"--attention-experiment {name!r}: valid: split-d[:BMxBNxWARPSxSTAGES[xws][xf16][xlazy]]")
+        try:
+            config = split_d_attention.parse_config(cfg) if cfg else split_d_attention.DEFAULT_VARIANT
+        except ValueError as exc:
+            raise SystemExit(f"--attention-experiment: {exc}") from None
         modules = split_d_attention.install_in_comfy(config)
-        attention_experiment = f"{name}:{'x'.join(str(int(c)) for c in config[:4])}" + ("xws" if config[4] else "")
+        attention_experiment = f"{name}:{split_d_attention.format_config(config)}"
         print(f"[bench] attention experiment {attention_experiment} in {', '.join(modules)}", flush=True)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

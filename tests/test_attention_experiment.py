@@ -91,17 +91,21 @@ SPLIT_D_CHECK = textwrap.dedent(
     from benchmarks import split_d_attention as sda
     torch.manual_seed(0)
     rows = []
-    for b, h, n, d, n_kv, dtype, cfg in [
-            (1, 2, 70, 72, 100, torch.float16, (32, 32, 4, 2, False)),  # PixArt's width, ragged blocks
-            (2, 1, 64, 72, 64, torch.float16, (32, 32, 4, 2, True)),  # even blocks, warp_specialize asked
-            (1, 2, 40, 96, 50, torch.float32, (16, 32, 4, 2, False)),  # 64 + 32
-            (1, 1, 33, 64, 48, torch.float16, (16, 16, 4, 2, False)),  # a power of two: no tail
-            (1, 1, 20, 40, 20, torch.float32, (16, 16, 4, 2, False)),  # 32 + 16, 8 real
-            (1, 2, 30, 24, 30, torch.float16, (16, 16, 4, 2, False))]:  # one padded block: 32, 24 real
+    for b, h, n, d, n_kv, dtype, cfg, lazy in [
+            (1, 2, 70, 72, 100, torch.float16, (32, 32, 4, 2, False), False),  # PixArt's width, ragged blocks
+            (2, 1, 64, 72, 64, torch.float16, (32, 32, 4, 2, True), False),  # even blocks, warp_specialize asked
+            (1, 2, 40, 96, 50, torch.float32, (16, 32, 4, 2, False), False),  # 64 + 32
+            (1, 1, 33, 64, 48, torch.float16, (16, 16, 4, 2, False), False),  # a power of two: no tail
+            (1, 1, 20, 40, 20, torch.float32, (16, 16, 4, 2, False), False),  # 32 + 16, 8 real
+            (1, 2, 30, 24, 30, torch.float16, (16, 16, 4, 2, False), False),  # one padded block: 32, 24 real
+            (1, 2, 50, 72, 90, torch.float16, (16, 16, 4, 2, False), True),  # lazy rescaling, fp16
+            (1, 1, 24, 72, 80, torch.float32, (16, 16, 4, 2, False), True)]:  # lazy rescaling, float32
         q = torch.randn(b, n, h, d, dtype=dtype).transpose(1, 2)
         k, v = (torch.randn(b, n_kv, h, d, dtype=dtype).transpose(1, 2) for _ in range(2))
+        if lazy:  # keys that grow along the sequence: later blocks raise the row max past the threshold
+            k = k * torch.linspace(0.5, 4.0, n_kv, dtype=dtype)[None, None, :, None]
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-        out = sda.split_d_attention(q, k, v, config=cfg)
+        out = sda.split_d_attention(q, k, v, config=cfg, lazy_rescale=lazy)
         twin = sda.split_d_attention_reference(q, k, v)
         err = lambda t: float((t.float() - ref).norm() / ref.norm())
         rows.append({"case": [b, h, n, d, n_kv, str(dtype)], "shape": list(out.shape),
@@ -120,7 +124,7 @@ def test_split_d_kernel_matches_twin_interpreted():
     error against float32 (the twin rounds once, the kernel also rounds P to float16)."""
     pytest.importorskip("triton")
     rows = interpreted(SPLIT_D_CHECK, str(REPO))
-    assert len(rows) == 6
+    assert len(rows) == 8
     for r in rows:
         b, h, n, d, n_kv, dtype = r["case"]
         assert r["shape"] == [b, h, n, d]
@@ -145,6 +149,12 @@ def test_split_dims_and_bad_arguments():
     for d in range(1, 257):
         d0, d1 = sda.split_dims(d)
         assert d0 + d1 >= d and d0 & (d0 - 1) == 0 and d0 >= 16 and (d1 == 0 or (d1 >= 16 and d1 & (d1 - 1) == 0))
+    assert sda.parse_config("128x64x8x3") == (128, 64, 8, 3, False, False, False) == sda.DEFAULT_VARIANT
+    assert sda.parse_config("128x128x8x2xwsxf16xlazy") == (128, 128, 8, 2, True, True, True)
+    for text in ("128x64x8x3", "64x64x4x2xlazy", "128x128x8x2xwsxf16"):
+        assert sda.format_config(sda.parse_config(text)) == text
+    with pytest.raises(ValueError, match="valid: BMxBNxWARPSxSTAGES with optional xws, xf16, xlazy"):
+        sda.parse_config("128x64xfast")
     x = torch.randn(1, 2, 4, 72, dtype=torch.float16)
     with pytest.raises(ValueError, match="valid: one of torch.float16, torch.bfloat16"):
         sda.split_d_attention(x.double(), x.double(), x.double())
@@ -193,7 +203,7 @@ SPLIT_D_COMFY = textwrap.dedent(
     # a tiny PixArt-alpha (2 heads of 24: one padded 32-wide block) sampled through ComfyUI
     mp = tm.tiny_pixart(seed=3)
     ref = tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0)
-    rows["modules"] = sda.install_in_comfy((16, 16, 4, 2, False), cpu=True)
+    rows["modules"] = sda.install_in_comfy((16, 16, 4, 2, False, False, True), cpu=True)
     out = tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0)
     rows["routed"] = sda.routed
     rows["rel"] = tm.rel_err(out, ref)
@@ -201,7 +211,7 @@ SPLIT_D_COMFY = textwrap.dedent(
     rows["after"] = tm.rel_err(tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0), ref)
     rows["routed_after"] = sda.routed
     # the op under torch.compile: one graph for two token counts, equal to ComfyUI's attention
-    patched = sda.comfy_attention(A.attention_pytorch, (16, 16, 4, 2, False), cpu=True)
+    patched = sda.comfy_attention(A.attention_pytorch, (16, 16, 4, 2, False, False, False), cpu=True)
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: patched(q, k, v, 2), backend="aot_eager", dynamic=True, fullgraph=True)
     errs = []
