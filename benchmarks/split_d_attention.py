@@ -47,14 +47,14 @@ SHAPES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
     "sdxl_self": (2, 10, 4096, 64, torch.float16),
     "flux_joint": (1, 24, 4608, 128, torch.bfloat16),
 }
-#: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) tried for each shape
-CONFIGS: list[tuple[int, int, int, int, bool]] = [
-    (bm, bn, w, s, ws)
-    for bm, bn, w, s, ws in itertools.product((64, 128), (64, 128), (4, 8), (2, 3), (False, True))
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, tma) tried for each shape
+CONFIGS: list[tuple[int, int, int, int, bool, bool]] = [
+    (bm, bn, w, s, ws, tma)
+    for bm, bn, w, s, ws, tma in itertools.product((64, 128), (64, 128), (4, 8), (2, 3), (False, True), (False, True))
     if not (bm == 64 and w == 8)
 ]
 _DTYPES = (torch.float16, torch.bfloat16)
-_kernel = None
+_kernels: Any = None
 
 
 def _pow2_at_least(n: int) -> int:
@@ -97,36 +97,58 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"split_d_attention: head dim {q.shape[-1]} not supported; valid: 1 to 256")
 
 
+def tma_eligible(t: torch.Tensor) -> bool:
+    """Whether ``t`` (``[B, H, N, D]``) is a ``[B * N, H * D]`` matrix a tensor descriptor can read:
+    heads side by side in a row, rows evenly spaced across the batch, 16-byte aligned base and row
+    stride (ComfyUI's q/k/v: views of ``[B, N, H, D]`` or of a fused ``[B, N, 3, H, D]`` projection)."""
+    b, h, n, d = t.shape
+    return (t.stride(3) == 1 and (h == 1 or t.stride(1) == d) and (b == 1 or t.stride(0) == n * t.stride(2))
+            and t.data_ptr() % 16 == 0 and t.stride(2) * t.element_size() % 16 == 0)
+
+
+def _descriptors(t: torch.Tensor, rows: int, d0: int, d1: int) -> tuple[Any, Any]:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, h, n, d = t.shape
+    shape, strides = [b * n, h * d], [t.stride(2), 1]
+    return (TensorDescriptor(t, shape, strides, [rows, d0]), TensorDescriptor(t, shape, strides, [rows, d1 or 16]))
+
+
 def split_d_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                       config: tuple[int, int, int, int, bool] = (128, 64, 8, 3, False),
-                      exp_f16x2: bool = False, lazy_rescale: bool = False) -> torch.Tensor:
+                      exp_f16x2: bool = False, lazy_rescale: bool = False, tma: bool = False) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, scale=scale)`` by the Triton kernel (module
-    docstring). ``config`` is ``(BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize)``. The
-    output is a ``[B, H, N, D]`` view of ``[B, N, H, D]`` memory, as SDPA's kernels return it for
-    ComfyUI's inputs (its ``transpose(1, 2).reshape`` is then free)."""
-    global _kernel
+    docstring). ``config`` is ``(BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize)``;
+    ``tma`` reads q, k and v through tensor descriptors where they allow it (:func:`tma_eligible`;
+    pointers otherwise). The output is a ``[B, H, N, D]`` view of ``[B, N, H, D]`` memory, as SDPA's
+    kernels return it for ComfyUI's inputs (its ``transpose(1, 2).reshape`` is then free)."""
+    global _kernels
     _check(q, k, v)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if _kernel is None:
-        from benchmarks.split_d_attention_kernel import split_d_attention_kernel as _kernel
+    if _kernels is None:
+        from benchmarks import split_d_attention_kernel as _kernels
     b, h, n_q, d = q.shape
     n_kv = k.shape[2]
     d0, d1 = split_dims(d)
     bm, bn, warps, stages, ws = config
     out = torch.empty(b, n_q, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(d)) * 1.4426950408889634
-    kw: dict[str, Any] = {"num_warps": warps, "num_stages": stages}
-    if q.device.type != "cuda":
-        kw = {}
-    _kernel[(_cdiv(n_q, bm), b * h)](
+    kw: dict[str, Any] = {"num_warps": warps, "num_stages": stages} if q.device.type == "cuda" else {}
+    meta = dict(HEAD_DIM=d, D0=d0, D1=d1 or 16, HAS_TAIL=d1 > 0, BLOCK_M=bm, BLOCK_N=bn, EVEN_KV=n_kv % bn == 0,
+                WARP_SPECIALIZE=ws, EXP_F16X2=exp_f16x2, LAZY_RESCALE=lazy_rescale, **kw)
+    grid = (_cdiv(n_q, bm), b * h)
+    if tma and all(tma_eligible(t) for t in (q, k, v)):
+        _kernels.split_d_attention_tma_kernel[grid](
+            *_descriptors(q, bm, d0, d1), *_descriptors(k, bn, d0, d1), *_descriptors(v, bn, d0, d1), out, qk_scale,
+            out.stride(0), out.stride(1), out.stride(2), h, n_q, n_kv, **meta)
+        return out
+    _kernels.split_d_attention_kernel[grid](
         q, k, v, out, qk_scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        h, n_q, n_kv,
-        HEAD_DIM=d, D0=d0, D1=d1 or 16, HAS_TAIL=d1 > 0, BLOCK_M=bm, BLOCK_N=bn, EVEN_KV=n_kv % bn == 0,
-        WARP_SPECIALIZE=ws, EXP_F16X2=exp_f16x2, LAZY_RESCALE=lazy_rescale, **kw,
+        h, n_q, n_kv, **meta,
     )
     return out
 
@@ -149,9 +171,9 @@ def _register_op() -> Any:
 
     @torch.library.custom_op("nexfort_bench::split_d_attention", mutates_args=())
     def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: list[int]) -> torch.Tensor:
-        bm, bn, warps, stages, ws, exp_f16x2, lazy = config
+        bm, bn, warps, stages, ws, exp_f16x2, lazy, tma = config
         return split_d_attention(q, k, v, config=(bm, bn, warps, stages, bool(ws)), exp_f16x2=bool(exp_f16x2),
-                                 lazy_rescale=bool(lazy))
+                                 lazy_rescale=bool(lazy), tma=bool(tma))
 
     @op.register_fake
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: list[int]) -> torch.Tensor:
@@ -166,9 +188,9 @@ def _register_op() -> Any:
 routed = 0
 
 
-#: a kernel variant: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, exp_f16x2, lazy_rescale)
-Variant = tuple[int, int, int, int, bool, bool, bool]
-DEFAULT_VARIANT: Variant = (128, 64, 8, 3, False, False, False)
+#: a kernel variant: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, exp_f16x2, lazy_rescale, tma)
+Variant = tuple[int, int, int, int, bool, bool, bool, bool]
+DEFAULT_VARIANT: Variant = (128, 64, 8, 3, False, False, False, False)
 
 
 def comfy_attention(original: Any, config: Variant, *, cpu: bool = False) -> Any:
@@ -237,23 +259,24 @@ def uninstall_from_comfy() -> list[str]:
 
 
 def parse_config(text: str) -> Variant:
-    """``BMxBNxWARPSxSTAGES`` plus any of ``xws``, ``xf16`` (float16 exponentials), ``xlazy`` (e.g. ``128x64x8x3``,
-    ``128x128x8x2xwsxlazy``) -> a :data:`Variant`; :func:`format_config` is the inverse."""
+    """``BMxBNxWARPSxSTAGES`` plus any of ``xws``, ``xf16`` (float16 exponentials), ``xlazy``, ``xtma``
+    (e.g. ``128x64x8x3``, ``128x128x8x2xwsxlazy``) -> a :data:`Variant`; :func:`format_config` is the
+    inverse."""
     parts = text.split("x")
-    flags = {"ws": False, "f16": False, "lazy": False}
+    flags = {"ws": False, "f16": False, "lazy": False, "tma": False}
     while parts and parts[-1] in flags:
         flags[parts.pop()] = True
     try:
         bm, bn, warps, stages = (int(p) for p in parts)
     except ValueError:
         raise ValueError(f"attention config {text!r}: valid: BMxBNxWARPSxSTAGES with optional xws, xf16, xlazy, "
-                         "e.g. 128x64x8x3 or 128x128x8x2xlazy") from None
-    return bm, bn, warps, stages, flags["ws"], flags["f16"], flags["lazy"]
+                         "xtma, e.g. 128x64x8x3 or 128x128x8x2xlazyxtma") from None
+    return bm, bn, warps, stages, flags["ws"], flags["f16"], flags["lazy"], flags["tma"]
 
 
 def format_config(variant: Variant) -> str:
-    bm, bn, warps, stages, ws, exp_f16x2, lazy = variant
-    return f"{bm}x{bn}x{warps}x{stages}" + "xws" * ws + "xf16" * exp_f16x2 + "xlazy" * lazy
+    bm, bn, warps, stages, ws, exp_f16x2, lazy, tma = variant
+    return f"{bm}x{bn}x{warps}x{stages}" + "xws" * ws + "xf16" * exp_f16x2 + "xlazy" * lazy + "xtma" * tma
 
 
 # --- the GPU benchmark ------------------------------------------------------------------------
@@ -275,7 +298,13 @@ def _rel(t: torch.Tensor, ref: torch.Tensor) -> float:
     return float((t.float() - ref).norm() / ref.norm())
 
 
-def _shape_rows(name: str, configs: list[tuple[int, int, int, int, bool]]) -> dict[str, Any]:
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: tuple, **kw: Any) -> torch.Tensor:
+    """``cfg``: a :data:`CONFIGS` entry (the launch configuration and ``tma``)."""
+    bm, bn, warps, stages, ws, tma = cfg
+    return split_d_attention(q, k, v, config=(bm, bn, warps, stages, ws), tma=tma, **kw)
+
+
+def _shape_rows(name: str, configs: list[tuple[int, int, int, int, bool, bool]]) -> dict[str, Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b, h, n, d, dtype = SHAPES[name]
@@ -296,40 +325,44 @@ def _shape_rows(name: str, configs: list[tuple[int, int, int, int, bool]]) -> di
         entry: dict[str, Any] = {"config": list(cfg)}
         try:
             t0 = time.perf_counter()
-            out = split_d_attention(q, k, v, config=cfg)
+            out = _run(q, k, v, cfg)
             torch.cuda.synchronize()
             entry["first_call_s"] = time.perf_counter() - t0
-            ms = _time_ms(lambda cfg=cfg: split_d_attention(q, k, v, config=cfg))
+            ms = _time_ms(lambda cfg=cfg: _run(q, k, v, cfg))
             entry.update(ms=ms, tflops=flops / ms / 1e9, rel_err=_rel(out, ref))
         except Exception as exc:  # a configuration this Triton cannot build (registers, shared memory)
             entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
         row["triton"].append(entry)
     timed = [e for e in row["triton"] if "ms" in e]
-    if timed:
-        best = min(timed, key=lambda e: e["ms"])
-        cfg = tuple(best["config"])
-        # the best configuration again with each cheaper softmax, and both
-        for key, kw in (("best_exp_f16x2", {"exp_f16x2": True}), ("best_lazy_rescale", {"lazy_rescale": True}),
-                        ("best_both", {"exp_f16x2": True, "lazy_rescale": True})):
-            try:
-                out = split_d_attention(q, k, v, config=cfg, **kw)
-                ms = _time_ms(lambda kw=kw: split_d_attention(q, k, v, config=cfg, **kw))
-                row[key] = {"config": list(cfg), "ms": ms, "tflops": flops / ms / 1e9, "rel_err": _rel(out, ref)}
-            except Exception as exc:
-                row[key] = {"config": list(cfg), "error": f"{type(exc).__name__}: {exc}"[:300]}
-        row["best"] = best
-        cudnn = row["torch"].get("cudnn", {})
+    if not timed:
+        return row
+    best = min(timed, key=lambda e: e["ms"])
+    cfg = tuple(best["config"])
+    row["best"] = best
+    # the best configuration again with each cheaper softmax, and both
+    variants: dict[str, tuple[bool, bool]] = {"best": (False, False)}
+    for key, (f16, lazy) in (("best_exp_f16x2", (True, False)), ("best_lazy_rescale", (False, True)),
+                             ("best_both", (True, True))):
+        variants[key] = (f16, lazy)
+        try:
+            out = _run(q, k, v, cfg, exp_f16x2=f16, lazy_rescale=lazy)
+            ms = _time_ms(lambda f16=f16, lazy=lazy: _run(q, k, v, cfg, exp_f16x2=f16, lazy_rescale=lazy))
+            row[key] = {"config": list(cfg), "ms": ms, "tflops": flops / ms / 1e9, "rel_err": _rel(out, ref)}
+        except Exception as exc:
+            row[key] = {"config": list(cfg), "error": f"{type(exc).__name__}: {exc}"[:300]}
+    cudnn = row["torch"].get("cudnn", {})
+    if "ms" in cudnn:
+        row["best_vs_cudnn"] = cudnn["ms"] / best["ms"]
+        row["best_err_vs_cudnn_err"] = best["rel_err"] / cudnn["rel_err"]
+    # what the whole-model row runs: the fastest variant within the lossless bound (1.5x cuDNN's error)
+    bound = 1.5 * cudnn["rel_err"] if "rel_err" in cudnn else float("inf")
+    ok = [(row[key]["ms"], key) for key in variants if "ms" in row.get(key, {}) and row[key]["rel_err"] <= bound]
+    if ok:
+        f16, lazy = variants[min(ok)[1]]
+        bm, bn, warps, stages, ws, tma = cfg
+        row["pick"] = format_config((bm, bn, warps, stages, ws, f16, lazy, tma))
         if "ms" in cudnn:
-            row["best_vs_cudnn"] = cudnn["ms"] / best["ms"]
-            row["best_err_vs_cudnn_err"] = best["rel_err"] / cudnn["rel_err"]
-        # what the whole-model row runs: the fastest variant within the lossless bound (1.5x cuDNN's error)
-        bound = 1.5 * cudnn["rel_err"] if "rel_err" in cudnn else float("inf")
-        flags = {"best": (False, False), "best_exp_f16x2": (True, False), "best_lazy_rescale": (False, True),
-                 "best_both": (True, True)}
-        ok = [(row[key]["ms"], key) for key in flags if "ms" in row.get(key, {}) and row[key]["rel_err"] <= bound]
-        if ok:
-            key = min(ok)[1]
-            row["pick"] = format_config((*cfg, *flags[key]))  # type: ignore[arg-type]
+            row["pick_vs_cudnn"] = cudnn["ms"] / min(ok)[0]
     return row
 
 
@@ -355,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             configs = [tuple(e["config"]) for e in timed[:4]] or CONFIGS[:4]
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=1)
-        print(name, json.dumps({k: row.get(k) for k in ("best", "best_vs_cudnn", "best_err_vs_cudnn_err", "pick")}),
+        print(name, json.dumps({k: row.get(k) for k in ("best", "best_vs_cudnn", "best_err_vs_cudnn_err", "pick",
+                                                          "pick_vs_cudnn")}),
               flush=True)
     return 0
 

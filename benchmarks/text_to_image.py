@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-controlnet", action="store_true",
                    help="with --controlnet and --compiler nexfort: compile the ControlNet too (Nexfort Compile "
                         "ControlNet's glue, the same --compiler-config)")
-    p.add_argument("--attention-experiment", default=None, metavar="split-d[:BMxBNxWARPSxSTAGES[xws][xf16][xlazy]]",
+    p.add_argument("--attention-experiment", default=None, metavar="split-d[:BMxBNxWARPSxSTAGES[xws][xf16][xlazy][xtma]]",
                    help="experiment: ComfyUI's unmasked 16-bit attention with a head dim that is not a power "
                    "of two runs benchmarks/split_d_attention.py's Triton kernel (default config 128x64x8x3)")
     p.add_argument("--patch", choices=sorted(PATCH_NODES), default=None,
@@ -664,7 +664,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         name, _, cfg = args.attention_experiment.partition(":")
         if name != "split-d":
-            raise SystemExit(f"--attention-experiment {name!r}: valid: split-d[:BMxBNxWARPSxSTAGES[xws][xf16][xlazy]]")
+            raise SystemExit(f"--attention-experiment {name!r}: valid: split-d[:BMxBNxWARPSxSTAGES[xws][xf16][xlazy][xtma]]")
         try:
             config = split_d_attention.parse_config(cfg) if cfg else split_d_attention.DEFAULT_VARIANT
         except ValueError as exc:

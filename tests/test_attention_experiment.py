@@ -135,6 +135,58 @@ def test_split_d_kernel_matches_twin_interpreted():
             assert r["err"] < 2 * r["twin_err"] and r["err"] < 1e-3, r
 
 
+SPLIT_D_TMA = textwrap.dedent(
+    """
+    import json, math, sys, torch
+    import torch.nn.functional as F
+    sys.path.insert(0, sys.argv[1])
+    from benchmarks import split_d_attention as sda
+    torch.manual_seed(0)
+    rows = []
+    for b, h, n, d, n_kv, dtype, cfg, lazy in [
+            (2, 2, 70, 72, 100, torch.float16, (32, 32, 4, 2, False), False),  # tail past the last head
+            (1, 3, 40, 24, 40, torch.float32, (16, 16, 4, 2, False), True),  # one padded block
+            (2, 2, 33, 64, 48, torch.float16, (16, 16, 4, 2, False), False)]:  # rows past N: the next batch's
+        q = torch.randn(b, n, h, d, dtype=dtype).transpose(1, 2)
+        kv = torch.randn(b, n_kv, 2, h, d, dtype=dtype)  # k, v as views of one fused projection
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        eligible = [sda.tma_eligible(t) for t in (q, k, v)]
+        out = sda.split_d_attention(q, k, v, config=cfg, tma=True, lazy_rescale=lazy)
+        twin = sda.split_d_attention_reference(q, k, v)
+        err = lambda t: float((t.float() - ref).norm() / ref.norm())
+        rows.append({"case": [b, h, n, d, n_kv, str(dtype)], "eligible": eligible, "err": err(out),
+                     "twin_err": err(twin), "diff": float((out.float() - twin.float()).abs().max())})
+    # a NaN in head 1 must not reach head 0 through the tail block (0 * NaN)
+    q, k, v = (torch.randn(1, 16, 2, 72, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+    k[:, 1, 3, 2] = float("nan")
+    out = sda.split_d_attention(q, k, v, config=(16, 16, 4, 2, False), tma=True)
+    rows.append({"nan_head0_finite": bool(torch.isfinite(out[:, 0]).all()),
+                 "nan_head1_nan": bool(torch.isnan(out[:, 1]).any()),
+                 # [B, H, N, D] contiguous: a head's rows are not in one matrix row with the others'
+                 "strided_not_eligible": sda.tma_eligible(torch.randn(1, 2, 4, 72))})
+    print(json.dumps(rows))
+    """
+)
+
+
+def test_split_d_tma_kernel_matches_twin_interpreted():
+    """The tensor-descriptor form (``tma=True``): q, k and v read as ``[B * N, H * D]`` matrices,
+    the tail block reading past the head (zeroed) or past the last head (the descriptor's zero
+    fill), key rows past N being the next batch's (masked); the same tolerances as the pointer
+    form; a NaN in one head stays out of the others."""
+    pytest.importorskip("triton")
+    rows = interpreted(SPLIT_D_TMA, str(REPO))
+    for r in rows[:3]:
+        assert r["eligible"] == [True, True, True], r
+        if r["case"][5] == "torch.float32":
+            assert r["diff"] < 1e-5, r
+        else:
+            assert r["err"] < 2 * r["twin_err"] and r["err"] < 1e-3, r
+    assert rows[3]["nan_head0_finite"] and rows[3]["nan_head1_nan"], rows[3]
+    assert rows[3]["strided_not_eligible"] is False
+
+
 def test_split_dims_and_bad_arguments():
     from benchmarks import split_d_attention as sda
 
@@ -149,11 +201,11 @@ def test_split_dims_and_bad_arguments():
     for d in range(1, 257):
         d0, d1 = sda.split_dims(d)
         assert d0 + d1 >= d and d0 & (d0 - 1) == 0 and d0 >= 16 and (d1 == 0 or (d1 >= 16 and d1 & (d1 - 1) == 0))
-    assert sda.parse_config("128x64x8x3") == (128, 64, 8, 3, False, False, False) == sda.DEFAULT_VARIANT
-    assert sda.parse_config("128x128x8x2xwsxf16xlazy") == (128, 128, 8, 2, True, True, True)
-    for text in ("128x64x8x3", "64x64x4x2xlazy", "128x128x8x2xwsxf16"):
+    assert sda.parse_config("128x64x8x3") == (128, 64, 8, 3, False, False, False, False) == sda.DEFAULT_VARIANT
+    assert sda.parse_config("128x128x8x2xwsxf16xlazyxtma") == (128, 128, 8, 2, True, True, True, True)
+    for text in ("128x64x8x3", "64x64x4x2xlazy", "128x128x8x2xwsxf16", "128x64x8x3xlazyxtma"):
         assert sda.format_config(sda.parse_config(text)) == text
-    with pytest.raises(ValueError, match="valid: BMxBNxWARPSxSTAGES with optional xws, xf16, xlazy"):
+    with pytest.raises(ValueError, match="valid: BMxBNxWARPSxSTAGES with optional xws, xf16, xlazy, xtma"):
         sda.parse_config("128x64xfast")
     x = torch.randn(1, 2, 4, 72, dtype=torch.float16)
     with pytest.raises(ValueError, match="valid: one of torch.float16, torch.bfloat16"):
@@ -170,9 +222,10 @@ def test_split_dims_and_bad_arguments():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_split_d_kernel_on_the_gpu(dtype):
-    """On a GPU, PixArt's width at a smaller token count: within 2x the twin's error against
-    float32, for every configuration the benchmark tries (a configuration this Triton cannot build
-    is skipped by the benchmark, not here: it must build)."""
+    """On a GPU, PixArt's width at a smaller token count (1000: ragged blocks): within 2x the twin's
+    error against float32, for every configuration the benchmark tries, pointers and tensor
+    descriptors (a configuration this Triton cannot build is skipped by the benchmark, not here: it
+    must build)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from benchmarks import split_d_attention as sda
@@ -185,10 +238,11 @@ def test_split_d_kernel_on_the_gpu(dtype):
         return float((t.float() - ref).norm() / ref.norm())
 
     twin = err(sda.split_d_attention_reference(q, k, v))
-    for cfg in sda.CONFIGS:
-        if cfg[4]:
+    for bm, bn, warps, stages, ws, tma in sda.CONFIGS:
+        if ws:
             continue  # warp specialisation: whether this Triton builds it is what the benchmark records
-        assert err(sda.split_d_attention(q, k, v, config=cfg)) < 2 * twin + 1e-4, cfg
+        out = sda.split_d_attention(q, k, v, config=(bm, bn, warps, stages, ws), tma=tma)
+        assert err(out) < 2 * twin + 1e-4, (bm, bn, warps, stages, tma)
 
 
 SPLIT_D_COMFY = textwrap.dedent(
@@ -203,7 +257,7 @@ SPLIT_D_COMFY = textwrap.dedent(
     # a tiny PixArt-alpha (2 heads of 24: one padded 32-wide block) sampled through ComfyUI
     mp = tm.tiny_pixart(seed=3)
     ref = tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0)
-    rows["modules"] = sda.install_in_comfy((16, 16, 4, 2, False, False, True), cpu=True)
+    rows["modules"] = sda.install_in_comfy((16, 16, 4, 2, False, False, True, True), cpu=True)
     out = tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0)
     rows["routed"] = sda.routed
     rows["rel"] = tm.rel_err(out, ref)
@@ -211,7 +265,7 @@ SPLIT_D_COMFY = textwrap.dedent(
     rows["after"] = tm.rel_err(tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0), ref)
     rows["routed_after"] = sda.routed
     # the op under torch.compile: one graph for two token counts, equal to ComfyUI's attention
-    patched = sda.comfy_attention(A.attention_pytorch, (16, 16, 4, 2, False, False, False), cpu=True)
+    patched = sda.comfy_attention(A.attention_pytorch, (16, 16, 4, 2, False, False, False, False), cpu=True)
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: patched(q, k, v, 2), backend="aot_eager", dynamic=True, fullgraph=True)
     errs = []
