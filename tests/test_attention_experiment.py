@@ -257,7 +257,7 @@ SPLIT_D_COMFY = textwrap.dedent(
     # a tiny PixArt-alpha (2 heads of 24: one padded 32-wide block) sampled through ComfyUI
     mp = tm.tiny_pixart(seed=3)
     ref = tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0)
-    rows["modules"] = sda.install_in_comfy((16, 16, 4, 2, False, False, True, True), cpu=True)
+    rows["modules"] = sda.install_in_comfy((64, 64, 4, 2, False, False, True, True), cpu=True)
     out = tm.sample(mp, 384, 384, 1, 1, 4.0, 12, seed=0)
     rows["routed"] = sda.routed
     rows["rel"] = tm.rel_err(out, ref)
