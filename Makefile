@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOST ?= $(CURDIR)/.host/ComfyUI
 export NEXFORT_HOST := $(HOST)
 # The suite runs in TEST_WORKERS pytest processes side by side: tests/engine in one, the rest (and
-# two engine files that balance the halves) in the other (scripts/run_tests.sh).
+# any engine files scripts/run_tests.sh moves to balance the halves) in the other.
 # tests/conftest.py sets OMP_WAIT_POLICY=PASSIVE for pytest and all it starts: libgomp's spinning
 # idle threads made a tiny model's sampling 10x slower beside a second busy process (the soak test:
 # 0.5-1 s per prompt alone, 5-10 s beside the other pytest).
