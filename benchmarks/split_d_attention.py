@@ -14,8 +14,8 @@ has to beat: cuDNN at 0.411 ms for PixArt's 2 × 16 × 4096² self-attention (37
 72), where the eleventh session's Triton kernel reached 87 % of cuDNN's rate at SDXL's 64-wide
 heads (211 against 184 µs) without warp specialisation. A kernel at that efficiency on 80 columns
 would roughly tie; warp specialisation (``tl.range(..., warp_specialize=True)``, which Triton has
-on Hopper in recent versions) or two exponentials per instruction (``exp_f16x2``) would have to
-make the difference.
+on Hopper in recent versions), tensor-descriptor (TMA) loads (``tma``), two exponentials per
+instruction (``exp_f16x2``) or lazy rescaling (``lazy_rescale``) would have to make the difference.
 
     python -m benchmarks.split_d_attention --output-json out.json [--quick]
 
@@ -225,8 +225,7 @@ def comfy_attention(original: Any, config: Variant, *, cpu: bool = False) -> Any
     return attention
 
 
-def install_in_comfy(config: Variant = DEFAULT_VARIANT, *,
-                     cpu: bool = False) -> list[str]:
+def install_in_comfy(config: Variant = DEFAULT_VARIANT, *, cpu: bool = False) -> list[str]:
     """Point every loaded ``comfy.ldm`` module's ``optimized_attention`` (each imported the name
     from ``comfy.ldm.modules.attention``) at :func:`comfy_attention`; returns the modules changed
     (:func:`uninstall_from_comfy` puts ComfyUI's back). Call after ComfyUI is imported."""
