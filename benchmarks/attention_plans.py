@@ -33,13 +33,13 @@ SHAPES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
 }
 
 
-def _bnhd(b: int, h: int, n: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def bnhd(b: int, h: int, n: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """A [b, h, n, d] view of [b, n, h, d] memory, as ComfyUI's attention passes them."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
 
 
-def _time_ms(fn: Any, iters: int = 30) -> float:
+def time_ms(fn: Any, iters: int = 30) -> float:
     """ms per call of ``fn``, CUDA events around ``iters`` calls (``metrics.time_op``)."""
     return 1000.0 * metrics.time_op(fn, torch.device("cuda"), iters=iters, warmup=3)
 
@@ -51,10 +51,10 @@ def _torch_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[dict
                           ("torch_default", None)):
         try:
             if backend is None:
-                rows[name] = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+                rows[name] = time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
             else:
                 with sdpa_kernel([backend]):
-                    rows[name] = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+                    rows[name] = time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
                     if ref is None:
                         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         except Exception as exc:  # a backend that does not take this shape
@@ -104,7 +104,7 @@ def _plans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor)
             run()
             torch.cuda.synchronize()
             row["max_err_vs_fp32"] = float((out.float() - ref).abs().max())
-            row["ms"] = _time_ms(run)
+            row["ms"] = time_ms(run)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
@@ -126,7 +126,7 @@ def main() -> None:
         result["cudnn_frontend"] = f"missing: {exc}"
     for name in args.shapes:
         b, h, n, d, dtype = SHAPES[name]
-        q, k, v = (_bnhd(b, h, n, d, dtype, seed) for seed in (1, 2, 3))
+        q, k, v = (bnhd(b, h, n, d, dtype, seed) for seed in (1, 2, 3))
         flops = 4.0 * b * h * n * n * d
         torch_rows, ref = _torch_rows(q, k, v)
         entry: dict[str, Any] = {"shape": [b, h, n, d], "dtype": str(dtype), "gflop": flops / 1e9, **torch_rows}

@@ -14,7 +14,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_attention_kernel"]
+__all__ = ["exp2", "fp8_attention_kernel"]
+
+
+@triton.jit
+def exp2(x, EXP_F16X2: tl.constexpr):
+    """``2 ** x`` in float32; with ``EXP_F16X2`` computed in float16, two per MUFU instruction
+    (``ex2.approx.f16x2``)."""
+    if EXP_F16X2:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2,
+        ).to(tl.float32)
+    else:
+        return tl.math.exp2(x)
 
 
 @triton.jit
@@ -75,14 +87,8 @@ def fp8_attention_kernel(
         if not EVEN_KV:
             s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if EXP_F16X2:
-            # two exponentials per MUFU instruction: the softmax's exp throughput bounds fp8 attention
-            p = tl.inline_asm_elementwise(
-                "ex2.approx.f16x2 $0, $1;", "=r,r", [(s - m_new[:, None]).to(tl.float16)],
-                dtype=tl.float16, is_pure=True, pack=2,
-            ).to(tl.float32)
-        else:
-            p = tl.math.exp2(s - m_new[:, None])
+        # two exponentials per MUFU instruction: the softmax's exp throughput bounds fp8 attention
+        p = exp2(s - m_new[:, None], EXP_F16X2)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]

@@ -19,7 +19,7 @@ instruction (``exp_f16x2``) or lazy rescaling (``lazy_rescale``) would have to m
 
     python -m benchmarks.split_d_attention --output-json out.json [--quick]
 
-times every configuration of :data:`CONFIGS` at :data:`SHAPES` beside torch's SDPA backends, with
+times every configuration of :data:`CONFIGS` at ``attention_plans``' :data:`SHAPES` beside torch's SDPA backends, with
 each output's error against float32 SDPA; GPU only. In a whole model:
 ``python -m benchmarks.text_to_image --model pixart --attention-experiment split-d:128x64x8x3``
 (:func:`install_in_comfy`: ComfyUI's attention sends such heads to the kernel as a custom op).
@@ -38,15 +38,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.attention_plans import SHAPES, bnhd, time_ms
+
 __all__ = ["CONFIGS", "DEFAULT_VARIANT", "SHAPES", "Variant", "comfy_attention", "format_config", "install_in_comfy",
            "parse_config", "split_d_attention", "split_d_attention_reference", "split_dims", "uninstall_from_comfy"]
 
-#: name: (batch, heads, sequence, head dim, dtype): self-attention of the issue's models at 1024²
-SHAPES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
-    "pixart_self": (2, 16, 4096, 72, torch.float16),
-    "sdxl_self": (2, 10, 4096, 64, torch.float16),
-    "flux_joint": (1, 24, 4608, 128, torch.bfloat16),
-}
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, tma) tried for each shape
 CONFIGS: list[tuple[int, int, int, int, bool, bool]] = [
     (bm, bn, w, s, ws, tma)
@@ -281,18 +277,6 @@ def format_config(variant: Variant) -> str:
 # --- the GPU benchmark ------------------------------------------------------------------------
 
 
-def _bnhd(b: int, h: int, n: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A [b, h, n, d] view of [b, n, h, d] memory, as ComfyUI's attention passes them."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
-
-
-def _time_ms(fn: Any, iters: int = 30) -> float:
-    from benchmarks import metrics
-
-    return 1000.0 * metrics.time_op(fn, torch.device("cuda"), iters=iters, warmup=3)
-
-
 def _rel(t: torch.Tensor, ref: torch.Tensor) -> float:
     return float((t.float() - ref).norm() / ref.norm())
 
@@ -307,7 +291,7 @@ def _shape_rows(name: str, configs: list[tuple[int, int, int, int, bool, bool]])
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b, h, n, d, dtype = SHAPES[name]
-    q, k, v = (_bnhd(b, h, n, d, dtype, seed) for seed in (1, 2, 3))
+    q, k, v = (bnhd(b, h, n, d, dtype, seed) for seed in (1, 2, 3))
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     flops = 4.0 * b * h * n * n * d
     row: dict[str, Any] = {"shape": [b, h, n, d, str(dtype)], "split": list(split_dims(d)), "torch": {}, "triton": []}
@@ -316,7 +300,7 @@ def _shape_rows(name: str, configs: list[tuple[int, int, int, int, bool, bool]])
         try:
             with sdpa_kernel([backend]):
                 out = F.scaled_dot_product_attention(q, k, v)
-                ms = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+                ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v))
             row["torch"][label] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": _rel(out, ref)}
         except Exception as exc:  # a backend that does not take this shape
             row["torch"][label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
@@ -327,7 +311,7 @@ def _shape_rows(name: str, configs: list[tuple[int, int, int, int, bool, bool]])
             out = _run(q, k, v, cfg)
             torch.cuda.synchronize()
             entry["first_call_s"] = time.perf_counter() - t0
-            ms = _time_ms(lambda cfg=cfg: _run(q, k, v, cfg))
+            ms = time_ms(lambda cfg=cfg: _run(q, k, v, cfg))
             entry.update(ms=ms, tflops=flops / ms / 1e9, rel_err=_rel(out, ref))
         except Exception as exc:  # a configuration this Triton cannot build (registers, shared memory)
             entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -345,7 +329,7 @@ def _shape_rows(name: str, configs: list[tuple[int, int, int, int, bool, bool]])
         variants[key] = (f16, lazy)
         try:
             out = _run(q, k, v, cfg, exp_f16x2=f16, lazy_rescale=lazy)
-            ms = _time_ms(lambda f16=f16, lazy=lazy: _run(q, k, v, cfg, exp_f16x2=f16, lazy_rescale=lazy))
+            ms = time_ms(lambda f16=f16, lazy=lazy: _run(q, k, v, cfg, exp_f16x2=f16, lazy_rescale=lazy))
             row[key] = {"config": list(cfg), "ms": ms, "tflops": flops / ms / 1e9, "rel_err": _rel(out, ref)}
         except Exception as exc:
             row[key] = {"config": list(cfg), "error": f"{type(exc).__name__}: {exc}"[:300]}

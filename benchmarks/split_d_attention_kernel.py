@@ -11,25 +11,30 @@ first); ``P·V`` goes to two accumulators. ``WARP_SPECIALIZE`` asks Triton for w
 code on the key/value loop (``tl.range(..., warp_specialize=True)``: Hopper and later, in the
 Triton versions that have it), ``EXP_F16X2`` computes the exponentials two per MUFU instruction
 in float16, ``LAZY_RESCALE`` rescales the accumulators only when a row's running max grew by more
-than 8 (in log2 units), not at every block. Under ``TRITON_INTERPRET=1`` (set before this module is imported) it runs on CPU
-tensors: the tests compare it with the torch twin that way."""
+than 8 (in log2 units), not at every block. Under ``TRITON_INTERPRET=1`` (set before this module
+is imported) it runs on CPU tensors: the tests compare it with the torch twin that way."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from benchmarks.fp8_attention_kernel import exp2
+
 __all__ = ["split_d_attention_kernel", "split_d_attention_tma_kernel"]
 
 
 @triton.jit
-def _exp2(x, EXP_F16X2: tl.constexpr):
-    if EXP_F16X2:
-        return tl.inline_asm_elementwise(
-            "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2,
-        ).to(tl.float32)
-    else:
-        return tl.math.exp2(x)
+def _store_out(Out, b, h, stride_ob, stride_oh, stride_on, offs_m, m_ok, offs_d0, d0_ok, offs_d1, d1_ok, acc0, acc1,
+               l_i, HAS_TAIL: tl.constexpr):
+    """Both column blocks of the normalised output, masked to the real rows and columns."""
+    o_base = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
+    inv_l = 1.0 / l_i
+    tl.store(o_base + offs_d0[None, :], (acc0 * inv_l[:, None]).to(Out.dtype.element_ty),
+             mask=m_ok[:, None] & d0_ok[None, :])
+    if HAS_TAIL:
+        tl.store(o_base + offs_d1[None, :], (acc1 * inv_l[:, None]).to(Out.dtype.element_ty),
+                 mask=m_ok[:, None] & d1_ok[None, :])
 
 
 @triton.jit
@@ -48,11 +53,11 @@ def _softmax_step(s, m_i, l_i, acc0, acc1, qk_scale, EXP_F16X2: tl.constexpr, LA
             acc0 = acc0 * alpha[:, None]
             acc1 = acc1 * alpha[:, None]
             m_i = m_new
-        p = _exp2(s * qk_scale - m_i[:, None], EXP_F16X2)
+        p = exp2(s * qk_scale - m_i[:, None], EXP_F16X2)
         l_i = l_i + tl.sum(p, 1)
     else:
         m_new = tl.maximum(m_i, m_blk)
-        p = _exp2(s * qk_scale - m_new[:, None], EXP_F16X2)
+        p = exp2(s * qk_scale - m_new[:, None], EXP_F16X2)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc0 = acc0 * alpha[:, None]
@@ -132,13 +137,8 @@ def split_d_attention_kernel(
             v1 = tl.load(v_rows + offs_d1[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
             acc1 = tl.dot(p16, v1, acc1)
 
-    o_base = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
-    inv_l = 1.0 / l_i
-    tl.store(o_base + offs_d0[None, :], (acc0 * inv_l[:, None]).to(Out.dtype.element_ty),
-             mask=m_ok[:, None] & d0_ok[None, :])
-    if HAS_TAIL:
-        tl.store(o_base + offs_d1[None, :], (acc1 * inv_l[:, None]).to(Out.dtype.element_ty),
-                 mask=m_ok[:, None] & d1_ok[None, :])
+    _store_out(Out, b, h, stride_ob, stride_oh, stride_on, offs_m, m_ok, offs_d0, d0_ok, offs_d1, d1_ok, acc0, acc1,
+               l_i, HAS_TAIL)
 
 
 @triton.jit
@@ -161,7 +161,8 @@ def split_d_attention_tma_kernel(
     """The same attention with q, k and v read through tensor descriptors (TMA on Hopper): each is
     a ``[batch * tokens, heads * head dim]`` matrix, a head's columns start at ``h * HEAD_DIM``.
     The tail block reads the next head's first columns (or zeros past the last head): q's and k's
-    are zeroed after the load, and the accumulator columns v's fill are never stored. Key rows past ``N_KV`` (the next batch's) are masked out of the softmax."""
+    are zeroed after the load, and the accumulator columns v's fill are never stored. Key rows past
+    ``N_KV`` (the next batch's) are masked out of the softmax."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -206,10 +207,5 @@ def split_d_attention_tma_kernel(
         if HAS_TAIL:
             acc1 = tl.dot(p16, desc_v1.load([kv_row + start_n, col + D0]), acc1)
 
-    o_base = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
-    inv_l = 1.0 / l_i
-    tl.store(o_base + offs_d0[None, :], (acc0 * inv_l[:, None]).to(Out.dtype.element_ty),
-             mask=m_ok[:, None] & d0_ok[None, :])
-    if HAS_TAIL:
-        tl.store(o_base + offs_d1[None, :], (acc1 * inv_l[:, None]).to(Out.dtype.element_ty),
-                 mask=m_ok[:, None] & d1_ok[None, :])
+    _store_out(Out, b, h, stride_ob, stride_oh, stride_on, offs_m, m_ok, offs_d0, d0_ok, offs_d1, d1_ok, acc0, acc1,
+               l_i, HAS_TAIL)
