@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.attention_plans import SHAPES, bnhd, time_ms
+from nexfort_engine.rowwise_quant import _cdiv, _pow2_at_least
 
 __all__ = ["CONFIGS", "DEFAULT_VARIANT", "SHAPES", "Variant", "comfy_attention", "format_config", "install_in_comfy",
            "parse_config", "split_d_attention", "split_d_attention_reference", "split_dims", "uninstall_from_comfy"]
@@ -51,10 +52,6 @@ CONFIGS: list[tuple[int, int, int, int, bool, bool]] = [
 ]
 _DTYPES = (torch.float16, torch.bfloat16)
 _kernels: Any = None
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def split_dims(head_dim: int) -> tuple[int, int]:
@@ -149,10 +146,6 @@ def split_d_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # --- in a ComfyUI model (the text-to-image bench's --attention-experiment split-d) --------------
 
 _OP: Any = None
@@ -202,8 +195,8 @@ def comfy_attention(original: Any, config: Variant, *, cpu: bool = False) -> Any
                   **kwargs: Any) -> torch.Tensor:
         global routed
         d = q.shape[-1] if skip_reshape else q.shape[-1] // heads
-        takes = q.dtype in _DTYPES and q.is_cuda or cpu and q.device.type == "cpu" and q.dtype in _DTYPES + (
-            torch.float32,)
+        takes = (q.is_cuda and q.dtype in _DTYPES) or (
+            cpu and q.device.type == "cpu" and q.dtype in _DTYPES + (torch.float32,))
         if (mask is not None or (kwargs.get("transformer_options") or {}).get("patches_replace") or not takes
                 or d & (d - 1) == 0 or d > 256):
             return original(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,

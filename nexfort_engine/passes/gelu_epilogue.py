@@ -3,10 +3,10 @@
 What: :func:`rewrite_gelu_epilogues` walks a Dynamo graph for ``gelu(linear(x, w, b),
 approximate="tanh")`` - the MLP of PixArt-α, SD3/MMDiT, Flux's double blocks, Wan, HunyuanDiT and
 LTX (``nn.GELU(approximate="tanh")`` after ComfyUI's ``Linear``) - where the linear has a bias and
-no other user and its operands are all float16 or all bfloat16, and replaces the pair with one call of ``nexfort::linear_gelu``. On CUDA that op is
-``torch._addmm_activation(b, x, w.T, use_gelu=True)``: cuBLASLt's ``GELU_BIAS`` epilogue, the
-bias and the (tanh) GELU applied to the float32 accumulator before the one rounding to the model
-dtype. Elsewhere, and for inputs the epilogue does not take, it is the reference twin
+no other user and its operands are all float16 or all bfloat16, and replaces the pair with one call
+of ``nexfort::linear_gelu``. On CUDA that op is ``torch._addmm_activation(b, x, w.T, use_gelu=True)``:
+cuBLASLt's ``GELU_BIAS`` epilogue, the bias and the (tanh) GELU applied to the float32 accumulator
+before the one rounding to the model dtype. Elsewhere, and for inputs the epilogue does not take, it is the reference twin
 :func:`linear_gelu_reference` (``F.gelu(F.linear(x, w, b), approximate="tanh")``).
 
 Why: Inductor leaves the GEMM to cuBLAS and the GELU to a pointwise kernel that reads and writes
