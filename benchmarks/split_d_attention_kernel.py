@@ -98,11 +98,20 @@ def split_d_attention_kernel(
     d0_ok = offs_d0 < HEAD_DIM
     d1_ok = offs_d1 < HEAD_DIM
     m_ok = offs_m < N_Q
+    # a partly real block reads through offsets clamped to the last real column: Triton 3.6
+    # miscompiles the masked loads of such a block on the GPU (the tail's columns wrong, then an
+    # illegal access; BENCHMARKS.md, fifty-fourth session). Correct, but scalar loads: slow.
+    if D0 > HEAD_DIM:
+        offs_d0 = tl.minimum(offs_d0, HEAD_DIM - 1)
+    if D0 + D1 > HEAD_DIM:
+        offs_d1l = tl.minimum(offs_d1, HEAD_DIM - 1)
+    else:
+        offs_d1l = offs_d1
 
     q_base = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
     q0 = tl.load(q_base + offs_d0[None, :], mask=m_ok[:, None] & d0_ok[None, :], other=0.0)
     if HAS_TAIL:
-        q1 = tl.load(q_base + offs_d1[None, :], mask=m_ok[:, None] & d1_ok[None, :], other=0.0)
+        q1 = tl.load(q_base + offs_d1l[None, :], mask=m_ok[:, None] & d1_ok[None, :], other=0.0)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
 
@@ -122,7 +131,7 @@ def split_d_attention_kernel(
             k0 = tl.load(k_rows + offs_d0[None, :], mask=n_ok[:, None] & d0_ok[None, :], other=0.0)
         s = tl.dot(q0, tl.trans(k0))
         if HAS_TAIL:
-            k1 = tl.load(k_rows + offs_d1[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
+            k1 = tl.load(k_rows + offs_d1l[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
             s = tl.dot(q1, tl.trans(k1), s)
         if not EVEN_KV:
             s = tl.where(n_ok[None, :], s, float("-inf"))
@@ -134,7 +143,7 @@ def split_d_attention_kernel(
         p16 = p.to(v0.dtype)
         acc0 = tl.dot(p16, v0, acc0)
         if HAS_TAIL:
-            v1 = tl.load(v_rows + offs_d1[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
+            v1 = tl.load(v_rows + offs_d1l[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
             acc1 = tl.dot(p16, v1, acc1)
 
     _store_out(Out, b, h, stride_ob, stride_oh, stride_on, offs_m, m_ok, offs_d0, d0_ok, offs_d1, d1_ok, acc0, acc1,
