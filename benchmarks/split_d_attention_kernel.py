@@ -101,15 +101,12 @@ def split_d_attention_kernel(
     # a partly real block reads through offsets clamped to the last real column: Triton 3.6
     # miscompiles the masked loads of such a block on the GPU (the tail's columns wrong, then an
     # illegal access; BENCHMARKS.md, fifty-fourth session). Correct, but scalar loads: slow.
-    if D0 > HEAD_DIM:
-        offs_d0 = tl.minimum(offs_d0, HEAD_DIM - 1)
-    if D0 + D1 > HEAD_DIM:
-        offs_d1l = tl.minimum(offs_d1, HEAD_DIM - 1)
-    else:
-        offs_d1l = offs_d1
+    # (the store keeps the plain offsets, its masks are compiled right)
+    offs_d0l = tl.minimum(offs_d0, HEAD_DIM - 1) if D0 > HEAD_DIM else offs_d0
+    offs_d1l = tl.minimum(offs_d1, HEAD_DIM - 1) if D0 + D1 > HEAD_DIM else offs_d1
 
     q_base = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn
-    q0 = tl.load(q_base + offs_d0[None, :], mask=m_ok[:, None] & d0_ok[None, :], other=0.0)
+    q0 = tl.load(q_base + offs_d0l[None, :], mask=m_ok[:, None] & d0_ok[None, :], other=0.0)
     if HAS_TAIL:
         q1 = tl.load(q_base + offs_d1l[None, :], mask=m_ok[:, None] & d1_ok[None, :], other=0.0)
     k_base = K + b * stride_kb + h * stride_kh
@@ -128,7 +125,7 @@ def split_d_attention_kernel(
         if EVEN_KV and D0 <= HEAD_DIM:
             k0 = tl.load(k_rows + offs_d0[None, :])
         else:
-            k0 = tl.load(k_rows + offs_d0[None, :], mask=n_ok[:, None] & d0_ok[None, :], other=0.0)
+            k0 = tl.load(k_rows + offs_d0l[None, :], mask=n_ok[:, None] & d0_ok[None, :], other=0.0)
         s = tl.dot(q0, tl.trans(k0))
         if HAS_TAIL:
             k1 = tl.load(k_rows + offs_d1l[None, :], mask=n_ok[:, None] & d1_ok[None, :], other=0.0)
@@ -139,7 +136,7 @@ def split_d_attention_kernel(
         if EVEN_KV and D0 <= HEAD_DIM:
             v0 = tl.load(v_rows + offs_d0[None, :])
         else:
-            v0 = tl.load(v_rows + offs_d0[None, :], mask=n_ok[:, None] & d0_ok[None, :], other=0.0)
+            v0 = tl.load(v_rows + offs_d0l[None, :], mask=n_ok[:, None] & d0_ok[None, :], other=0.0)
         p16 = p.to(v0.dtype)
         acc0 = tl.dot(p16, v0, acc0)
         if HAS_TAIL:
