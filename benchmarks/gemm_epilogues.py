@@ -16,7 +16,7 @@ against a float32 computation of the same thing.
 GEMM templates against cuBLAS, the GELU fused into a template's epilogue where one wins (Inductor
 prints its choices and their timings to the log).
 
-    python -m benchmarks.gemm_epilogues --output-json out.json [--autotune]
+    python -m benchmarks.gemm_epilogues --output-json out.json [--autotune [--persistent-tma] [--only-autotune]]
 """
 
 from __future__ import annotations
@@ -126,11 +126,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-json")
     ap.add_argument("--autotune", action="store_true")
+    ap.add_argument("--persistent-tma", action="store_true",
+                    help="with --autotune: Inductor's persistent TMA GEMM templates among the candidates")
+    ap.add_argument("--only-autotune", action="store_true", help="skip the epilogue rows")
     args = ap.parse_args()
+    if args.persistent_tma:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.enable_persistent_tma_matmul = True
     torch.manual_seed(0)
     result: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                              "mlp": {n: mlp_row(*s) for n, s in MLP_SHAPES.items()},
-                              "gated": {n: gated_row(*s) for n, s in GATED_SHAPES.items()}}
+                              "persistent_tma": args.persistent_tma}
+    if not args.only_autotune:
+        result["mlp"] = {n: mlp_row(*s) for n, s in MLP_SHAPES.items()}
+        result["gated"] = {n: gated_row(*s) for n, s in GATED_SHAPES.items()}
     if args.autotune:
         result["autotuned"] = {n: autotuned_row(*s) for n, s in MLP_SHAPES.items()}
         result["autotuned"].update({n: autotuned_row(*s, gelu=False) for n, s in LINEAR_SHAPES.items()})
