@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--persistent-tma", action="store_true",
                     help="with --autotune: Inductor's persistent TMA GEMM templates among the candidates")
     ap.add_argument("--only-autotune", action="store_true", help="skip the epilogue rows")
+    ap.add_argument("--autotune-shapes", nargs="*", help="names from MLP_SHAPES / LINEAR_SHAPES (default: all)")
     args = ap.parse_args()
     if args.persistent_tma:
         import torch._inductor.config as inductor_config
@@ -141,8 +142,9 @@ def main() -> None:
         result["mlp"] = {n: mlp_row(*s) for n, s in MLP_SHAPES.items()}
         result["gated"] = {n: gated_row(*s) for n, s in GATED_SHAPES.items()}
     if args.autotune:
-        result["autotuned"] = {n: autotuned_row(*s) for n, s in MLP_SHAPES.items()}
-        result["autotuned"].update({n: autotuned_row(*s, gelu=False) for n, s in LINEAR_SHAPES.items()})
+        pick = set(args.autotune_shapes or [*MLP_SHAPES, *LINEAR_SHAPES])
+        result["autotuned"] = {n: autotuned_row(*s) for n, s in MLP_SHAPES.items() if n in pick}
+        result["autotuned"].update({n: autotuned_row(*s, gelu=False) for n, s in LINEAR_SHAPES.items() if n in pick})
     text = json.dumps(result, indent=1)
     print(text)
     if args.output_json:
