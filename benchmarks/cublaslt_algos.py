@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import random
 import time
@@ -56,7 +57,7 @@ _ALGO_CONFIG: dict[str, tuple[int, Any]] = {
     "custom_option": (5, ctypes.c_uint32), "stages_id": (6, ctypes.c_uint32),
     "inner_shape_id": (7, ctypes.c_uint16), "cluster_shape_id": (8, ctypes.c_uint16)}
 # cublasLtMatmulAlgoCapAttributes_t
-_CAP_SPLITK, _CAP_SWIZZLE, _CAP_TILE_IDS, _CAP_CUSTOM_MAX, _CAP_EPILOGUE_MASK, _CAP_STAGES_IDS = 0, 2, 6, 7, 12, 13
+_CAP_SWIZZLE, _CAP_TILE_IDS, _CAP_CUSTOM_MAX, _CAP_EPILOGUE_MASK, _CAP_STAGES_IDS = 2, 6, 7, 12, 13
 #: cublasLtClusterShape_t values tried in the exhaustive search: auto, 1x1x1, 2x1x1, 1x2x1, 2x2x1
 _CLUSTERS = (0, 2, 3, 5, 6)
 
@@ -189,32 +190,30 @@ class Lt:
                 continue
             swizzles = (0, 1) if self._cap(base, _CAP_SWIZZLE, ctypes.c_uint32) else (0,)
             customs = range(self._cap(base, _CAP_CUSTOM_MAX) + 1)
-            for tile in self._cap_list(base, _CAP_TILE_IDS):
-                for stages in self._cap_list(base, _CAP_STAGES_IDS):
-                    for swz in swizzles:
-                        for custom in customs:
-                            for cluster in _CLUSTERS:
-                                algo = _Algo()
-                                ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(_Algo))
-                                ok = (self._set_config(algo, "tile_id", tile)
-                                      and self._set_config(algo, "stages_id", stages)
-                                      and self._set_config(algo, "cta_swizzling", swz)
-                                      and self._set_config(algo, "custom_option", custom)
-                                      and self._set_config(algo, "splitk_num", 1))
-                                if cluster:
-                                    ok = ok and self._set_config(algo, "cluster_shape_id", cluster)
-                                if not ok:
-                                    continue
-                                h = _Heuristic()
-                                if lib.cublasLtMatmulAlgoCheck(self.handle, d["desc"], d["a"], d["b"], d["c"],
-                                                               d["c"], ctypes.byref(algo), ctypes.byref(h)) != 0:
-                                    continue
-                                if h.workspace_size > workspace:
-                                    continue
-                                h.algo = algo
-                                found.append(h)
-                                if len(found) >= limit:
-                                    return found
+            for tile, stages, swz, custom, cluster in itertools.product(
+                    self._cap_list(base, _CAP_TILE_IDS), self._cap_list(base, _CAP_STAGES_IDS), swizzles, customs,
+                    _CLUSTERS):
+                algo = _Algo()
+                ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(_Algo))
+                ok = (self._set_config(algo, "tile_id", tile)
+                      and self._set_config(algo, "stages_id", stages)
+                      and self._set_config(algo, "cta_swizzling", swz)
+                      and self._set_config(algo, "custom_option", custom)
+                      and self._set_config(algo, "splitk_num", 1))
+                if cluster:
+                    ok = ok and self._set_config(algo, "cluster_shape_id", cluster)
+                if not ok:
+                    continue
+                h = _Heuristic()
+                if lib.cublasLtMatmulAlgoCheck(self.handle, d["desc"], d["a"], d["b"], d["c"], d["c"],
+                                               ctypes.byref(algo), ctypes.byref(h)) != 0:
+                    continue
+                if h.workspace_size > workspace:
+                    continue
+                h.algo = algo
+                found.append(h)
+                if len(found) >= limit:
+                    return found
         return found
 
     def matmul(self, d: dict, algo: _Algo, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
@@ -232,26 +231,10 @@ def _ms(fn: Any, iters: int) -> float:
     return 1000.0 * metrics.time_op(fn, torch.device("cuda"), iters=iters, blocks=3, warmup=5)
 
 
-def _graph(fn: Any, calls: int) -> torch.cuda.CUDAGraph:
-    """``calls`` back-to-back calls of ``fn`` in one CUDA graph (no host cost in the timing: O2
-    replays its steps as graphs too)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
 def _interleaved(graphs: dict[str, torch.cuda.CUDAGraph], calls: int, rounds: int) -> dict[str, float]:
-    """Median ms per call of each graph, the graphs replayed in turn ``rounds`` times (clock and
-    thermal drift fall on every one alike)."""
+    """Median ms per call of each graph (``metrics.capture_graph``; O2 replays its steps as graphs
+    too, so no host cost is timed), the graphs replayed in turn ``rounds`` times (clock and thermal
+    drift fall on every one alike)."""
     times: dict[str, list[float]] = {k: [] for k in graphs}
     for _ in range(rounds):
         for name, g in graphs.items():
@@ -316,9 +299,9 @@ def shape_row(lt: Lt, m: int, k: int, n: int, dtype: torch.dtype, epilogue: str,
     # the finalists (and the heuristic's first, torch's own choice) re-timed as CUDA graphs, interleaved
     chosen = timed[:finalists] + [a for a in algos[:1] if "ms" in a and a not in timed[:finalists]]
     calls = 20
-    graphs = {"torch": _graph(torch_call, calls)}
+    graphs = {"torch": metrics.capture_graph(torch_call, calls)}
     for j, a in enumerate(chosen):
-        graphs[f"c{j}"] = _graph(lambda a=a: lt.matmul(d, a["_algo"], w, x, out, ws), calls)
+        graphs[f"c{j}"] = metrics.capture_graph(lambda a=a: lt.matmul(d, a["_algo"], w, x, out, ws), calls)
     med = _interleaved(graphs, calls, rounds)
     for j, a in enumerate(chosen):
         a["graph_ms"] = med[f"c{j}"]

@@ -541,9 +541,9 @@ def cudagraph_state() -> dict[str, Any]:
     return out
 
 
-def time_graph(fn: Callable[[], Any], calls: int = 20) -> float:
-    """Seconds per call of ``fn`` replayed ``calls`` times from one CUDA graph (best of 5): for
-    kernels shorter than a Python call, whose eager timing measures the host (CUDA only)."""
+def capture_graph(fn: Callable[[], Any], calls: int = 20) -> torch.cuda.CUDAGraph:
+    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph, after three warm-up calls
+    on a side stream (CUDA only)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -554,6 +554,13 @@ def time_graph(fn: Callable[[], Any], calls: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    return graph
+
+
+def time_graph(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Seconds per call of ``fn`` replayed ``calls`` times from one CUDA graph (best of 5): for
+    kernels shorter than a Python call, whose eager timing measures the host (CUDA only)."""
+    graph = capture_graph(fn, calls)
     best = float("inf")
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
