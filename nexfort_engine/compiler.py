@@ -40,6 +40,7 @@ from . import (
     background,
     collector,
     counters,
+    gemm_tuning,
     host_call,
     intraop,
     precompile,
@@ -149,7 +150,7 @@ def register_ops() -> None:
     process would otherwise fail on the first such op (``torch.ops.nexfort`` has no attribute) and
     fall back to eager. Cheap: no Triton, no CUDA (the kernels load at their first GPU call)."""
     from . import absmax, fp8, fp8_attention, rope, rowwise_quant, trace_ops  # noqa: F401
-    from .passes import gelu_epilogue, group_norm  # noqa: F401
+    from .passes import gelu_epilogue, group_norm, tuned_linear  # noqa: F401
 
 
 def _cudagraph_skips() -> int:
@@ -235,6 +236,8 @@ class CompiledModule(torch.nn.Module):
         self._nx_sdpa_reordered = 0
         #: linear + tanh-GELU pairs run as one GEMM with a GELU epilogue (passes/gelu_epilogue.py)
         self._nx_gelu_epilogues = 0
+        #: linears run as nexfort::tuned_linear (passes/tuned_linear.py)
+        self._nx_tuned_linears = 0
         self._nx_failed: str | None = None
         self._nx_compiled: Callable[..., Any] | None = None
         #: set up, but the first compiled call (entry verification, compile or load) not made yet:
@@ -373,6 +376,12 @@ class CompiledModule(torch.nn.Module):
             if n := rewrite_gelu_epilogues(gm):
                 self._nx_gelu_epilogues += n
                 counters.set_info(self._nx_label, gelu_epilogues=self._nx_gelu_epilogues)
+        if self._nx_settings is not None and self._nx_settings.tuned_gemm:
+            from .passes.tuned_linear import rewrite_tuned_linears
+
+            if n := rewrite_tuned_linears(gm):  # after the GELU epilogue: it takes linear_gelu's calls too
+                self._nx_tuned_linears += n
+                counters.set_info(self._nx_label, tuned_linears=self._nx_tuned_linears)
         if self._nx_settings is not None and self._nx_settings.fp8_attention:
             from .passes.fp8_attention import rewrite_attentions
 
@@ -449,7 +458,7 @@ class CompiledModule(torch.nn.Module):
             self._replace_workers(taken)
             (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants, self._nx_fused_ropes,
              self._nx_fp8_attentions, self._nx_fp8_stored, self._nx_sdpa_reordered,
-             self._nx_gelu_epilogues) = self._nx_counts_before
+             self._nx_gelu_epilogues, self._nx_tuned_linears) = self._nx_counts_before
             return None
         counters.set_info(label, compile_parts_streamed=streamer.report())
         if cut is None:
@@ -730,6 +739,8 @@ class CompiledModule(torch.nn.Module):
             forward=self._nx_method == "forward",
         )
         counters.set_info(self._nx_label, fp8=self._nx_settings.fp8, regions=[r.name for r in self._nx_regions])
+        if self._nx_settings.tuned_gemm and self._nx_store is not None:
+            gemm_tuning.use_dir(self._nx_store.root)  # the measured GEMM algorithms persist with the graphs
         if self._nx_config.fp8 is None and fp8_capable and not fp8_pays and "low-precision" in self._nx_config.flags:
             width = model_width(self._orig_mod)
             counters.set_info(self._nx_label, fp8_skipped=f"model width {width} < {MIN_AUTO_WIDTH}")
@@ -921,7 +932,8 @@ class CompiledModule(torch.nn.Module):
                                                   self._graph_passes)
                 self._nx_counts_before = (self._nx_stand_ins, self._nx_group_norms, self._nx_fused_quants,
                                           self._nx_fused_ropes, self._nx_fp8_attentions, self._nx_fp8_stored,
-                                          self._nx_sdpa_reordered, self._nx_gelu_epilogues)
+                                          self._nx_sdpa_reordered, self._nx_gelu_epilogues,
+                                          self._nx_tuned_linears)
             t1 = time.perf_counter()
             self._nx_defer_parts, self._nx_pending = True, None
             self._nx_trace_t0 = t1
@@ -1538,7 +1550,10 @@ class CompiledModule(torch.nn.Module):
         # the thread's own intra-op count inside (Dynamo's guards read it); one thread after the
         # call while a background child compiles (intraop.py)
         with intraop.compiled_call():
-            return self._forward(args, kwargs)
+            out = self._forward(args, kwargs)
+        if gemm_tuning.pending():  # shapes the graphs' tuned linears met first: searched between calls
+            gemm_tuning.tune_pending()
+        return out
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         if self._nx_failed is not None:

@@ -71,6 +71,8 @@ class _Record:
     sdpa_cudnn_first: int = 0
     #: linear + tanh-GELU pairs run as one GEMM with a GELU epilogue (passes/gelu_epilogue.py)
     gelu_epilogues: int = 0
+    #: linears run with the GEMM algorithm measured per shape (passes/tuned_linear.py, gemm_tuning.py)
+    tuned_linears: int = 0
     #: fp8 GEMMs reading the weights a model stores in e4m3, no copy or cast (passes/fp8_stored.py)
     fp8_stored_weights: int = 0
     #: linears the host swapped for layers storing their weight in e4m3 (``"fp8_weights"``, fp8_weights.py)
@@ -151,6 +153,7 @@ class _Record:
             attention_fp8=self.attention_fp8,
             sdpa_cudnn_first=self.sdpa_cudnn_first,
             gelu_epilogues=self.gelu_epilogues,
+            tuned_linears=self.tuned_linears,
             fp8_stored_weights=self.fp8_stored_weights,
             fp8_weight_layers=self.fp8_weight_layers,
             host_calls=self.host_calls,
@@ -180,6 +183,9 @@ class _Record:
 
 _total = _Record(state="")
 _models: dict[str, _Record] = {}
+#: process-wide counters of one engine part that belongs to no single model (``gemm_tuning``:
+#: the GEMM algorithm table shared by every compiled model), shown under their section's name
+_sections: dict[str, dict[str, Any]] = {}
 
 
 def _append(lst: list[str], item: str) -> None:
@@ -237,6 +243,18 @@ def set_phase(label: str, name: str, seconds: float) -> None:
         rec.updated = time.time()
 
 
+def bump_section(section: str, counter: str, n: int = 1) -> None:
+    """Add ``n`` to ``counter`` of a process-wide section (see ``_sections``)."""
+    with _lock:
+        sec = _sections.setdefault(section, {})
+        sec[counter] = sec.get(counter, 0) + n
+
+
+def set_section(section: str, **info: Any) -> None:
+    with _lock:
+        _sections.setdefault(section, {}).update(info)
+
+
 def rename(old: str, new: str) -> None:
     """Move a model's record to a new label (the label gains its cache key once known)."""
     with _lock:
@@ -257,6 +275,8 @@ def snapshot() -> dict[str, Any]:
         for k in ("state", "cache_key", "config", "node_ids", "updated"):
             d.pop(k, None)
         d["models"] = {label: rec.as_dict() for label, rec in _models.items()}
+        for name, sec in _sections.items():
+            d[name] = dict(sec)
         return copy.deepcopy(d)
 
 
@@ -266,3 +286,4 @@ def reset() -> None:
     with _lock:
         _total = _Record(state="")
         _models.clear()
+        _sections.clear()

@@ -95,6 +95,7 @@ TOP_LEVEL_KEYS = (
     "fp8_weights",
     "sdpa_cudnn_first",
     "gelu_epilogue",
+    "tuned_gemm",
 )
 
 #: Seed keys with a fixed meaning (see settings.SEED_KEYS for what they map to).
@@ -179,6 +180,11 @@ class CompileConfig:
     #: (passes/gelu_epilogue.py: DiT MLPs); None = auto (on on the GPU with the Inductor backend),
     #: True/False = always (on CPU: the torch twin) / never
     gelu_epilogue: bool | None = None
+    #: 16-bit linears with the cuBLASLt algorithm measured fastest for their shape, searched once
+    #: and kept in the cache directory (gemm_tuning.py, passes/tuned_linear.py); None = auto (on on
+    #: the GPU with the Inductor backend, without fp8 linears or max-autotune), True/False = always
+    #: (on CPU: the torch twin) / never
+    tuned_gemm: bool | None = None
     #: extra ``inductor.*`` / ``triton.*`` / ``overrides.*`` settings, sorted (key, value) pairs
     overrides: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     #: the mode string as the user wrote it (for display only; not part of the identity)
@@ -200,6 +206,8 @@ class CompileConfig:
             d.pop("sdpa_cudnn_first")
         if d["gelu_epilogue"] is None:  # added later; the effective value is in Settings.digest
             d.pop("gelu_epilogue")
+        if d["tuned_gemm"] is None:  # added later; the effective value is in Settings.digest
+            d.pop("tuned_gemm")
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -375,6 +383,7 @@ def parse_options(options: CompileConfig | Mapping[str, Any] | str | None = None
         fp8_weights=_as_bool("fp8_weights", options.get("fp8_weights", False)),
         sdpa_cudnn_first=_as_optional_bool("sdpa_cudnn_first", options.get("sdpa_cudnn_first")),
         gelu_epilogue=_as_optional_bool("gelu_epilogue", options.get("gelu_epilogue")),
+        tuned_gemm=_as_optional_bool("tuned_gemm", options.get("tuned_gemm")),
         overrides=tuple(sorted((str(k), v) for k, v in extra.items())),
         mode=str(mode),
     )

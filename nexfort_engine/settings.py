@@ -30,6 +30,7 @@ import torch
 from . import indexing
 from .options import FLAGS, PRESETS, CompileConfig
 from .passes import gelu_epilogue as gelu_epilogue_pass
+from .passes import tuned_linear as tuned_linear_pass
 from .reductions import DEFAULT_LIMIT
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ class Settings:
     sdpa_cudnn_first: bool = False
     #: linear + tanh-GELU as nexfort::linear_gelu, a GEMM with a GELU epilogue (passes/gelu_epilogue.py)
     gelu_epilogue: bool = False
+    #: 16-bit linears as nexfort::tuned_linear, the GEMM algorithm measured per shape (passes/tuned_linear.py)
+    tuned_gemm: bool = False
     #: the preset's max-autotune left out (``autotune_pays`` false: a UNet compiled whole; or no fp8
     #: linears); the effective inductor settings, and so :meth:`digest`, show it already
     autotune_skipped: bool = False
@@ -192,6 +195,9 @@ class Settings:
         d.pop("gelu_epilogue", None)  # the effective value, only when on
         if self.gelu_epilogue:
             d["gelu_epilogue"] = True
+        d.pop("tuned_gemm", None)  # the effective value, only when on
+        if self.tuned_gemm:
+            d["tuned_gemm"] = True
         blob = json.dumps(d, sort_keys=True, default=repr).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -334,6 +340,12 @@ def resolve(
     # DiT MLPs: the tanh-GELU in the GEMM's epilogue (cuBLASLt) instead of a pass over the wide
     # activation: PixArt's fc1 0.140 against 0.174 ms on an H200 (fifty-second session)
     gelu_epilogue = gelu_epilogue_pass.wanted(config.gelu_epilogue, cuda=cuda, inductor=config.backend == "inductor")
+    # 16-bit linears with the cuBLASLt algorithm measured per shape (gemm_tuning.py): PixArt's fc1 +
+    # GELU 1.28x, qkv 1.11-1.14x under load (fifty-fifth session); not with fp8 linears (their own
+    # GEMMs) nor with Inductor's GEMM autotuning (its own choice among cuBLAS and Triton templates)
+    tuned_gemm = tuned_linear_pass.wanted(
+        config.tuned_gemm, cuda=cuda, inductor=config.backend == "inductor", fp8=fp8,
+        autotune=bool(inductor.get("max_autotune") or inductor.get("max_autotune_gemm")))
     return Settings(
         inductor=inductor,
         runtime=runtime,
@@ -346,6 +358,7 @@ def resolve(
         fp8_attention=bool(fp8_attention),
         sdpa_cudnn_first=bool(sdpa_cudnn_first),
         gelu_epilogue=bool(gelu_epilogue),
+        tuned_gemm=bool(tuned_gemm),
         autotune_skipped=bool(autotune_skipped),
     )
 
