@@ -52,9 +52,11 @@ __all__ = [
     "MIN_FLOPS",
     "TABLE_FILE",
     "linear_reference",
+    "clear",
     "enqueue",
     "pending",
     "reset",
+    "summary",
     "table",
     "tune_pending",
     "tuned_linear",
@@ -191,6 +193,29 @@ def use_dir(root: str | os.PathLike[str] | None) -> None:
         if path is not None:
             _table.update(_read(path))
             counters.set_section(SECTION, table=str(path), entries=len(_table))
+
+
+def clear(root: str | os.PathLike[str]) -> int:
+    """Delete the table kept in ``root`` (the Cache Manager's "clear all"); how many entries it
+    held. The shapes are searched again at their next call."""
+    path = Path(root) / TABLE_FILE
+    held = len(_read(path))
+    with _lock:
+        if _path == path:
+            _table.clear()
+            _ready.clear()
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    counters.set_section(SECTION, entries=0)
+    return held
+
+
+def summary(root: str | os.PathLike[str]) -> dict[str, int]:
+    """{"entries", "chosen"} of the table kept in ``root`` (for reports)."""
+    entries = _read(Path(root) / TABLE_FILE)
+    return {"entries": len(entries), "chosen": sum(1 for e in entries.values() if e.get("config"))}
 
 
 def _save() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from comfy_api.latest import io, ui
 
 import nexfort_engine
-from nexfort_engine import prewarm
+from nexfort_engine import gemm_tuning, prewarm
 from nexfort_engine.cache import CacheError, CacheStore, export_bundle, import_bundle
 
 from .patcher import cache_root
@@ -85,6 +85,12 @@ def report(store: CacheStore, message: str = "") -> str:
         f"misses={s['cache_misses']} fallbacks={s['fallbacks']} cudagraph skips={s.get('cudagraph_skips', 0)} "
         f"compile time={s['compile_seconds']:.1f}s"
     )
+    tuning = gemm_tuning.summary(store.root)
+    if tuning["entries"] or s.get("gemm_tuning"):
+        here = s.get("gemm_tuning", {})
+        lines.append(f"GEMM tuning: {tuning['entries']} shapes measured, {tuning['chosen']} with a faster algorithm "
+                     f"than torch's; this session searched {here.get('searched', 0)} in "
+                     f"{here.get('search_seconds', 0.0):.1f}s, read {here.get('table_hits', 0)} from the table")
     pw = prewarm.status()
     if pw["state"] != "idle":
         lines.append(f"prewarm: {pw['state']}, {pw['imported'] + pw['present']} of {pw['listed']} modules loaded"
@@ -110,6 +116,8 @@ def report(store: CacheStore, message: str = "") -> str:
             how += f", cuDNN attention ahead of flash in {m['sdpa_cudnn_first']} priority list(s)"
         if m.get("gelu_epilogues"):
             how += f", {m['gelu_epilogues']} linear + GELU pairs as one GEMM (GELU in its epilogue)"
+        if m.get("tuned_linears"):
+            how += f", {m['tuned_linears']} linears with the GEMM algorithm measured per shape"
         if m.get("fp8_weight_layers"):
             how += f", {m['fp8_weight_layers']} linear weights stored in fp8"
         if m.get("host_patches"):
@@ -205,6 +213,8 @@ class NexfortCacheManager(io.ComfyNode):
             msg = ""
         elif action == "clear_all":
             msg = f"cleared {len(store.clear())} entries"
+            if tuned := gemm_tuning.clear(store.root):
+                msg += f" and {tuned} measured GEMM shapes"
         elif action == "clear_model":
             if not key.strip():
                 raise CacheError("clear_model needs a key: copy one from the report (refresh)")

@@ -306,3 +306,17 @@ def test_gpu_search_op_capture_and_restart(table, dtype, gelu):
     assert torch.equal(OP(x, w, b, gelu), out) and gemm_tuning.pending() == []
     if entry["config"] is not None:
         assert nexfort_engine.stats()["gemm_tuning"]["table_hits"] >= 1
+
+
+def test_clear_deletes_the_table_and_summary_counts_it(table, monkeypatch):
+    monkeypatch.setattr(gemm_tuning, "_can_search", lambda: True)
+    monkeypatch.setattr(gemm_tuning, "_run_search",
+                        lambda m, k, n, d, e, i: _entry(m, k, n, {"id": 66, "tile_id": 20} if n == 4608 else None,
+                                                        epilogue=e))
+    for n in (4608, 1152):
+        gemm_tuning.enqueue(gemm_tuning.key("G", 8192, 1152, n, "float16", "bias"), (8192, 1152, n, "float16", "bias", 0))
+    gemm_tuning.tune_pending()
+    assert gemm_tuning.summary(table.parent) == {"entries": 2, "chosen": 1}
+    assert gemm_tuning.clear(table.parent) == 2
+    assert not table.exists() and gemm_tuning.table() == {}
+    assert gemm_tuning.summary(table.parent) == {"entries": 0, "chosen": 0}

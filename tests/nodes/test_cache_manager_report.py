@@ -117,3 +117,22 @@ def test_report_names_graph_breaks_and_the_calls_saved_graphs_do_not_serve(cache
     assert "    graph break: Unsupported Tensor.item() call with capture_scalar_outputs=False" in text
     assert "    saved graphs: on; 1 call structure(s) through torch.compile" in text
     assert "nodes_model_downscale.py:37 in input_block_patch" in text
+
+
+def test_report_shows_tuned_linears_and_the_gemm_table(cache_manager, tmp_path, fresh_stats):
+    import json
+
+    from nexfort_engine import gemm_tuning
+
+    counters.set_info("PixArt:cc", state="compiled", regions=["blocks[x28]"], tuned_linears=112)
+    text = cache_manager.report(CacheStore(tmp_path))
+    assert ", 112 linears with the GEMM algorithm measured per shape" in text
+    assert "GEMM tuning" not in text  # no table, nothing searched
+    entry = {"m": 8192, "k": 1152, "n": 4608, "dtype": "float16", "epilogue": "gelu_bias"}
+    (tmp_path / gemm_tuning.TABLE_FILE).write_text(json.dumps({"format": gemm_tuning.FORMAT_VERSION, "entries": {
+        "a": {**entry, "config": {"id": 66, "tile_id": 20}}, "b": {**entry, "n": 1152, "config": None}}}))
+    counters.bump_section(gemm_tuning.SECTION, "searched", 2)
+    counters.set_section(gemm_tuning.SECTION, search_seconds=2.5)
+    text = cache_manager.report(CacheStore(tmp_path))
+    assert ("GEMM tuning: 2 shapes measured, 1 with a faster algorithm than torch's; this session searched 2 "
+            "in 2.5s, read 0 from the table") in text
