@@ -149,7 +149,22 @@ def main() -> None:
                     help="also enumerate up to this many configurations per shape beyond the heuristic's")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved CUDA-graph rounds for the finalists")
     ap.add_argument("--screen-seconds", type=float, default=30.0, help="time limit per shape for the searched ones")
+    ap.add_argument("--engine", action="store_true",
+                    help="run the engine's own search (nexfort_engine.gemm_tuning.search) per shape instead")
     args = ap.parse_args()
+    if args.engine:
+        from nexfort_engine import gemm_tuning
+
+        rows = {}
+        for name in args.shapes:
+            m, k, n, dtype, epi = SHAPES[name]
+            rows[name] = entry = gemm_tuning.search(m, k, n, dtype, epi)
+            print(f"{name}: {entry['screened']} screened in {entry['seconds']:.2f} s, torch {entry['torch_ms']:.4f} ms, "
+                  f"best {entry.get('best_ms')} = {entry.get('speedup')}x, bit-identical {entry.get('bit_identical')}, "
+                  f"chosen {entry['config']}", flush=True)
+        with open(args.output_json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=1)
+        return
     lt = Lt()
     t0 = time.perf_counter()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -87,6 +87,7 @@ _TOP_TILES = 6
 _FINALISTS = 6
 _GRAPH_CALLS = 20
 _ROUNDS = 9
+_CHECK_ROWS = 1024
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool) -> torch.Tensor:
@@ -418,8 +419,9 @@ def search(m: int, k: int, n: int, dtype: torch.dtype, epilogue: str, device: in
     def torch_call() -> torch.Tensor:
         return _torch_call(x, w, bias, gelu)
 
-    ref = torch_call()
-    ref32 = linear_reference(x.float(), w.float(), bias.float() if bias is not None else None, gelu)
+    rows = min(m, _CHECK_ROWS)  # errors checked on the first rows: a float32 copy of them only
+    ref = torch_call()[:rows].clone()
+    ref32 = linear_reference(x[:rows].float(), w.float(), bias.float() if bias is not None else None, gelu)
     torch_err = _rel_l2(ref, ref32)
     d = lt.build(m, k, n, dtype, epilogue)
     out = torch.empty(m, n, device=dev, dtype=dtype)
@@ -464,8 +466,8 @@ def search(m: int, k: int, n: int, dtype: torch.dtype, epilogue: str, device: in
         seen.add(cfg)
         out.zero_()
         lt.matmul(d, h.algo, w, x, bias, out, ws)
-        if _rel_l2(out, ref32) <= torch_err * 1.01 + 1e-7 and torch.isfinite(out).all():
-            finalists.append((h, bool(torch.equal(out, ref))))
+        if _rel_l2(out[:rows], ref32) <= torch_err * 1.01 + 1e-7 and torch.isfinite(out).all():
+            finalists.append((h, bool(torch.equal(out[:rows], ref))))
         if len(finalists) >= _FINALISTS:
             break
     graphs = [_graph(torch_call, _GRAPH_CALLS)]
