@@ -832,6 +832,12 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result.update(metrics.compile_counts(args.compiler, graphs0))
     if args.compiler != "none":
         result["cudagraphs"] = metrics.cudagraph_state()
+    if args.compiler == "nexfort":  # the GEMM algorithms measured per shape (gemm_tuning.py)
+        import nexfort_engine
+
+        st = nexfort_engine.stats()
+        result["gemm_tuning"] = st.get("gemm_tuning", {})
+        result["tuned_linears"] = {k: m.get("tuned_linears", 0) for k, m in st.get("models", {}).items()}
     if not args.warm_child:
         # the device's measured matmul peak (after the timed runs: not in their peak memory)
         peak = metrics.device_peak(device)
