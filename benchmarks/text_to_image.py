@@ -833,9 +833,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.compiler != "none":
         result["cudagraphs"] = metrics.cudagraph_state()
     if args.compiler == "nexfort":  # the GEMM algorithms measured per shape (gemm_tuning.py)
-        import nexfort_engine
-
-        st = nexfort_engine.stats()
+        st = nexfort_engine.stats()  # imported above, where the stats were reset
         result["gemm_tuning"] = st.get("gemm_tuning", {})
         result["tuned_linears"] = {k: m.get("tuned_linears", 0) for k, m in st.get("models", {}).items()}
     if not args.warm_child:

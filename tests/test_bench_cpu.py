@@ -110,6 +110,9 @@ def test_nexfort_run(results):
     assert r["weights_device"] == "cpu" and r["offload_device"] == "cpu"
     assert 0 <= r["compile_node_s"] < r["warmup_s"], (r["compile_node_s"], r["warmup_s"])
     assert results["none"]["weights_device"] == "load" and results["none"]["compile_node_s"] < 0.01
+    # the tuned-GEMM record: per model (none on CPU: the pass is for 16-bit CUDA linears), and the table's counters
+    assert r["tuned_linears"] and set(r["tuned_linears"].values()) == {0}, r["tuned_linears"]
+    assert isinstance(r["gemm_tuning"], dict) and "gemm_tuning" not in results["none"]
 
 
 def test_controlnet_run(tmp_path):
