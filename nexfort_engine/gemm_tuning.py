@@ -7,7 +7,8 @@ module chose for its (GPU, cuBLASLt version, M, K, N, dtype, epilogue), through
 ``torch._addmm_activation``: cuBLASLt's heuristic), and is queued. After the compiled model's call
 returns (never while a CUDA graph is captured), :func:`tune_pending` searches the queued shapes:
 
-1. the heuristic's 8 answers, then every tile of the algorithms it named (at its stages), then
+1. the heuristic's 8 answers, then every tile of the algorithms it named (at the stages, custom
+   options and cluster shapes it named), then
    every CTA swizzle × custom option × cluster shape of the six fastest tiles, each timed for three
    back-to-back calls in one batch of CUDA events (a screen);
 2. the six fastest and torch's own call, each captured as a CUDA graph of 20 calls and replayed in
@@ -446,15 +447,21 @@ def search(m: int, k: int, n: int, dtype: torch.dtype, epilogue: str, device: in
         return [(s.elapsed_time(e) / _SCREEN_CALLS, h) for s, e, h in events]
 
     timed = screen(heur)
-    ids = tuple(sorted({lt.config(h.algo)["id"] for h in heur}))
-    stages = tuple(sorted({lt.config(h.algo).get("stages_id", 0) for h in heur}))
-    # every tile of those algorithms at the heuristic's stages, default options
-    tiles_pass = lt.enumerate(d, WORKSPACE_BYTES, 4000, algo_ids=ids, stages=stages, swizzles=(0,), customs=(0,),
-                              clusters=(0,))
+    named = [lt.config(h.algo) for h in heur]
+
+    def used(field: str) -> tuple[int, ...]:
+        return tuple(sorted({c.get(field, 0) for c in named}))
+
+    # every tile of those algorithms at the heuristic's stages, custom options and cluster shapes (on
+    # sm90 cuBLASLt accepts none of its tiles at the default custom option and cluster shape: with
+    # those, this pass found nothing and the search saw only the heuristic's answers, run304)
+    tiles_pass = lt.enumerate(d, WORKSPACE_BYTES, 4000, algo_ids=used("id"), stages=used("stages_id"),
+                              swizzles=(0,), customs=used("custom_option"), clusters=used("cluster_shape_id"))
     by_tile = sorted(screen(tiles_pass), key=lambda t: t[0])
     top = tuple(dict.fromkeys(lt.config(h.algo)["tile_id"] for _, h in by_tile))[:_TOP_TILES]
     # the fastest tiles with every swizzle, custom option and cluster shape
-    wide = lt.enumerate(d, WORKSPACE_BYTES, 4000, algo_ids=ids, stages=stages, tiles=top) if top else []
+    wide = (lt.enumerate(d, WORKSPACE_BYTES, 4000, algo_ids=used("id"), stages=used("stages_id"), tiles=top)
+            if top else [])
     timed += by_tile + screen(wide)
     screened = len(timed)
     timed.sort(key=lambda t: t[0])
@@ -478,7 +485,7 @@ def search(m: int, k: int, n: int, dtype: torch.dtype, epilogue: str, device: in
     best = min(range(len(cand)), key=cand.__getitem__) if cand else None
     entry: dict[str, Any] = {
         "m": m, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch."), "epilogue": epilogue,
-        "torch_ms": round(torch_ms, 5), "screened": screened, "config": None,
+        "torch_ms": round(torch_ms, 5), "screened": screened, "tiles_screened": len(by_tile), "config": None,
         "heuristic_first": lt.config(heur[0].algo) if heur else None,
     }
     if best is not None:
