@@ -340,12 +340,9 @@ def resolve(
     # DiT MLPs: the tanh-GELU in the GEMM's epilogue (cuBLASLt) instead of a pass over the wide
     # activation: PixArt's fc1 0.140 against 0.174 ms on an H200 (fifty-second session)
     gelu_epilogue = gelu_epilogue_pass.wanted(config.gelu_epilogue, cuda=cuda, inductor=config.backend == "inductor")
-    # 16-bit linears with the cuBLASLt algorithm measured per shape (gemm_tuning.py): PixArt's fc1 +
-    # GELU 1.28x, qkv 1.11-1.14x under load (fifty-fifth session); not with fp8 linears (their own
-    # GEMMs) nor with Inductor's GEMM autotuning (its own choice among cuBLAS and Triton templates)
-    tuned_gemm = tuned_linear_pass.wanted(
-        config.tuned_gemm, cuda=cuda, inductor=config.backend == "inductor", fp8=fp8,
-        autotune=bool(inductor.get("max_autotune") or inductor.get("max_autotune_gemm")))
+    # 16-bit linears with the cuBLASLt algorithm measured per shape (gemm_tuning.py): only when asked
+    # for; it did not speed up PixArt-α's step (run305, passes/tuned_linear.py)
+    tuned_gemm = tuned_linear_pass.wanted(config.tuned_gemm)
     return Settings(
         inductor=inductor,
         runtime=runtime,
