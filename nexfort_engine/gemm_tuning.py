@@ -25,7 +25,7 @@ shape searched again. Counters under ``stats()["gemm_tuning"]``.
 
 Why: torch takes cuBLASLt's heuristic's first answer. Under sustained load other tiles of the same
 algorithm run PixArt-α's fc1 + GELU 1.28× and its qkv 1.11-1.14× faster, bit for bit the same
-output (runs 302-303). The search costs about a second per shape, paid once per cache directory.
+output (runs 302-303). The search costs 2-13 s per shape on an H100 (run305), paid once per cache directory.
 
 The reference twin of the op is ``F.linear`` (then tanh-GELU): what runs on CPU, for float32,
 for operands the tuned path does not take (unaligned or strided), and for every shape not chosen.
@@ -452,16 +452,17 @@ def search(m: int, k: int, n: int, dtype: torch.dtype, epilogue: str, device: in
     def used(field: str) -> tuple[int, ...]:
         return tuple(sorted({c.get(field, 0) for c in named}))
 
+    ids, stages = used("id"), used("stages_id")
+
     # every tile of those algorithms at the heuristic's stages, custom options and cluster shapes (on
     # sm90 cuBLASLt accepts none of its tiles at the default custom option and cluster shape: with
     # those, this pass found nothing and the search saw only the heuristic's answers, run304)
-    tiles_pass = lt.enumerate(d, WORKSPACE_BYTES, 4000, algo_ids=used("id"), stages=used("stages_id"),
-                              swizzles=(0,), customs=used("custom_option"), clusters=used("cluster_shape_id"))
+    tiles_pass = lt.enumerate(d, WORKSPACE_BYTES, 4000, algo_ids=ids, stages=stages, swizzles=(0,),
+                              customs=used("custom_option"), clusters=used("cluster_shape_id"))
     by_tile = sorted(screen(tiles_pass), key=lambda t: t[0])
     top = tuple(dict.fromkeys(lt.config(h.algo)["tile_id"] for _, h in by_tile))[:_TOP_TILES]
     # the fastest tiles with every swizzle, custom option and cluster shape
-    wide = (lt.enumerate(d, WORKSPACE_BYTES, 4000, algo_ids=used("id"), stages=used("stages_id"), tiles=top)
-            if top else [])
+    wide = lt.enumerate(d, WORKSPACE_BYTES, 4000, algo_ids=ids, stages=stages, tiles=top) if top else []
     timed += by_tile + screen(wide)
     screened = len(timed)
     timed.sort(key=lambda t: t[0])

@@ -137,12 +137,16 @@ def test_option_and_settings():
     assert not S.resolve(auto, cuda=False).tuned_gemm
     assert not S.resolve(parse_options({"mode": "O3"}), cuda=True, fp8_capable=True, fp8_pays=False).tuned_gemm
     assert not S.resolve(parse_options({"tuned_gemm": False}), cuda=True).tuned_gemm
+    assert not S.resolve(parse_options({"backend": "aot_eager"}), cuda=True).tuned_gemm
+    assert not S.resolve(parse_options({"mode": "O2", "fp8": True}), cuda=True, fp8_capable=True).tuned_gemm
+    assert not S.resolve(parse_options({"mode": "max-optimize:max-autotune"}), cuda=True).tuned_gemm
     # asked for, it is on wherever the graph has 16-bit linears (fp8 weights are left alone by the pass)
     assert S.resolve(parse_options({"mode": "O2", "tuned_gemm": True}), cuda=True).tuned_gemm
     forced = S.resolve(parse_options({"tuned_gemm": True}), cuda=False)
     assert forced.tuned_gemm and forced.digest(auto) != S.resolve(auto, cuda=False).digest(auto)
     assert parse_options({}).digest() == parse_options({"mode": "O2"}).digest()  # older keys stay valid
     assert tuned_linear.wanted(True) and not tuned_linear.wanted(None) and not tuned_linear.wanted(False)
+
 
 @torch.no_grad()
 def test_engine_compile_counts_and_matches_eager(fresh_stats, monkeypatch):
