@@ -254,38 +254,87 @@ def time_op(fn: Any, device: torch.device, iters: int, blocks: int = 1, warmup: 
     return best
 
 
+def block_times(fn: Any, device: torch.device, iters: int, blocks: int, warm_s: float = 0.0) -> list[float]:
+    """Seconds per call of ``fn`` in each of ``blocks`` timed blocks of ``iters`` calls, after
+    calling it for ``warm_s`` seconds (at least once). CUDA: events around each block, all blocks
+    queued back to back and read after one synchronisation, so the GPU never idles between them
+    (its clocks and power state stay those of sustained work, as in a sampling loop)."""
+    t_end = time.perf_counter() + warm_s
+    fn()
+    n = 1
+    while time.perf_counter() < t_end:
+        fn()
+        n += 1
+        if device.type == "cuda" and n % 16 == 0:
+            sync(device)  # keep the queue short, so the warm-up is what the clock says
+    sync(device)
+    if device.type != "cuda":
+        out = []
+        for _ in range(blocks):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - t0) / iters)
+        return out
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(blocks + 1)]
+    events[0].record()
+    for i in range(blocks):
+        for _ in range(iters):
+            fn()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [events[i].elapsed_time(events[i + 1]) / 1000.0 / iters for i in range(blocks)]
+
+
 _PEAK_CACHE: dict[str, dict[str, Any]] = {}
+#: how :func:`device_peak` times each dtype on a GPU: warm-up seconds, blocks, calls per block
+PEAK_TIMING_GPU = {"warm_s": 0.5, "blocks": 20, "iters": 10}
 
 
 def device_peak(device: torch.device, n: int | None = None) -> dict[str, Any]:
     """Measured dense matmul throughput of ``device``: ``{"tflops": {"fp32", "fp16", "bf16", "fp8"},
-    "n": n, "fp8_scaling": "rowwise" | "tensorwise" | None}``.
+    "best_tflops": {...}, "spread": {dtype: (slowest block, fastest block) TFLOP/s}, "n": n,
+    "fp8_scaling": "rowwise" | "tensorwise" | None, "timing": PEAK_TIMING_GPU}``.
 
-    An n x n x n ``torch.mm`` (n = 8192 on a GPU, 512 on the CPU) per dtype: warm-up, then CUDA
-    events around blocks of 10 calls, best block. fp8: ``torch._scaled_mm`` on float8_e4m3fn with
-    row-wise scales (bf16 out) where the GPU has fp8 (compute capability >= 8.9), tensor-wise scales
-    if row-wise is refused; ``None`` where unsupported (and on the CPU). fp32 runs with the current
-    TF32 setting. Measured once per process and device.
+    An n x n x n ``torch.mm`` (n = 8192 on a GPU, 512 on the CPU) per dtype. On a GPU each dtype
+    is first run for half a second, then 20 blocks of 10 calls are timed back to back (CUDA events,
+    no idle gaps); ``tflops`` is the median block - the rate the GPU sustains under a
+    model's load - and ``best_tflops`` the fastest block. The earlier form (3 warm-up calls, best of 3 blocks
+    of 10) moved its bf16 figure between 644 and 797 TFLOP/s in six repeats in one process on an
+    H100 (run307; fp16 760-771), and with it every "% of peak" of a row (BENCHMARKS.md,
+    fifty-ninth session). fp8: ``torch._scaled_mm`` on float8_e4m3fn with row-wise scales (bf16
+    out) where the GPU has fp8 (compute capability >= 8.9), tensor-wise scales if row-wise is
+    refused; ``None`` where unsupported (and on the CPU). fp32 runs with the current TF32 setting.
+    Measured once per process and device.
     """
     key = str(device)
     if key in _PEAK_CACHE:
         return _PEAK_CACHE[key]
     cuda = device.type == "cuda"
     n = n or (8192 if cuda else 512)
-    iters, blocks = (10, 3) if cuda else (3, 1)
+    timing = PEAK_TIMING_GPU if cuda else {"warm_s": 0.0, "blocks": 1, "iters": 3}
     out: dict[str, float | None] = {}
+    best: dict[str, float | None] = {}
+    spread: dict[str, tuple[float, float]] = {}
     scaling_used = None
     gen = torch.Generator(device=device).manual_seed(0)
+
+    def rate(name: str, fn: Any) -> None:
+        secs = sorted(block_times(fn, device, timing["iters"], timing["blocks"], timing["warm_s"]))
+        flops = 2 * n**3 / 1e12
+        out[name] = flops / statistics.median(secs)
+        best[name] = flops / secs[0]
+        spread[name] = (float(f"{flops / secs[-1]:.4g}"), float(f"{flops / secs[0]:.4g}"))
+
     for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
         try:
             a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
             b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
             c = torch.empty(n, n, device=device, dtype=dtype)
-            s = time_op(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), device, iters, blocks)
-            out[name] = 2 * n**3 / s / 1e12
+            rate(name, lambda a=a, b=b, c=c: torch.mm(a, b, out=c))
         except Exception:  # noqa: BLE001 - a dtype without a matmul kernel on this device
-            out[name] = None
-    out["fp8"] = None
+            out[name] = best[name] = None
+    out["fp8"] = best["fp8"] = None
     if cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
         a = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn)
         b = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn).t()  # column-major
@@ -293,13 +342,14 @@ def device_peak(device: torch.device, n: int | None = None) -> dict[str, Any]:
         for scaling, sa, sb in (("rowwise", torch.ones(n, 1, device=device), torch.ones(1, n, device=device)),
                                 ("tensorwise", one, one)):
             try:
-                s = time_op(lambda sa=sa, sb=sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb,
-                                                                   out_dtype=torch.bfloat16), device, iters, blocks)
+                rate("fp8", lambda sa=sa, sb=sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb,
+                                                                  out_dtype=torch.bfloat16))
             except Exception:  # noqa: BLE001 - this scaling is not supported here
                 continue
-            out["fp8"], scaling_used = 2 * n**3 / s / 1e12, scaling
+            scaling_used = scaling
             break
-    _PEAK_CACHE[key] = {"tflops": out, "n": n, "fp8_scaling": scaling_used}
+    _PEAK_CACHE[key] = {"tflops": out, "best_tflops": best, "spread": spread, "n": n,
+                        "fp8_scaling": scaling_used, "timing": dict(timing)}
     return _PEAK_CACHE[key]
 
 

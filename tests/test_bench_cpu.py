@@ -221,9 +221,27 @@ def test_flops_and_peak(results):
         assert set(peak) == {"fp32", "fp16", "bf16", "fp8"}
         assert peak["fp32"] > 0 and peak["fp8"] is None  # no fp8 matmul on the CPU
         assert run["device_peak_method"]["n"] == 512
+        assert run["device_peak_method"]["statistic"] == "median block"
+        best = run["device_peak_best_tflops"]
+        assert best["fp32"] >= peak["fp32"] and best["fp8"] is None
+        low, high = run["device_peak_method"]["spread_tflops"]["fp32"]
+        assert low <= high
         assert run["peak_dtype"] == "fp32"
         assert run["achieved_tflops"] == pytest.approx(run["flops_per_step"] * run["it_s"] / 1e12)
         assert run["pct_of_peak"] == pytest.approx(100 * run["achieved_tflops"] / peak["fp32"])
+
+
+def test_block_times_warms_up_then_times_each_block():
+    metrics = _bench_module("metrics")
+    calls = []
+    import torch
+
+    secs = metrics.block_times(lambda: calls.append(1), torch.device("cpu"), iters=4, blocks=3, warm_s=0.05)
+    assert len(secs) == 3 and all(s > 0 for s in secs)
+    assert len(calls) > 12  # the warm-up ran for 50 ms (many calls) before the 3 x 4 timed ones
+    calls.clear()
+    metrics.block_times(lambda: calls.append(1), torch.device("cpu"), iters=2, blocks=2)
+    assert len(calls) == 1 + 4  # no warm-up time: one call, then the blocks
 
 
 def test_report_tflops_column(results):
