@@ -12,6 +12,11 @@ At exit it appends one JSON line to ``$NX_PROBE_OUT`` (stderr if unset) with:
   subprocess-pool timer at ``timer.py:check``), to line up with the bench's per-step times.
 - ``NX_PROBE_CUT=<dir>``: every graph cut (nexfort_engine.split.assign) as a JSON file of its nodes.
 - ``cudnn_benchmark_forced_off``: ``NX_PROBE_NO_CUDNN_BENCHMARK=1`` was set (see below).
+- ``cudagraph_copies`` (``NX_PROBE_CG_COPIES=1``): what CUDA-graph trees copy into their static
+  input buffers before each replay (``CUDAGraphNode._copy_inputs_and_remove_from_src``): calls,
+  tensors and bytes per call, and the largest copied inputs (shape, dtype, whether a
+  ``Parameter``) of the node that copies most: is a profile's ``multi_tensor_apply`` copy time
+  the graph's real inputs or weights passed as plain tensors?
 - ``autotune``: every Inductor Triton kernel that benchmarked its configs in this process
   (``CachingAutotuner.benchmark_all_configs``): kernel name, number of configs, seconds, and the
   autotune-cache state Inductor recorded for it, with whether its ``.best_config`` file exists: why
@@ -125,6 +130,37 @@ def _patch_split(mod) -> None:
     mod.assign = assign
 
 
+_cg_copies: dict[str, dict] = {}
+
+
+def _patch_cudagraph_trees(mod) -> None:
+    original = mod.CUDAGraphNode._copy_inputs_and_remove_from_src
+
+    def _copy_inputs_and_remove_from_src(self, dsts, srcs):
+        import torch
+
+        rec = _cg_copies.setdefault(str(id(self)), {"calls": 0, "tensors": 0, "bytes": 0, "largest": []})
+        rec["calls"] += 1
+        if rec["calls"] == 1:
+            rows = []
+            for idx in self.non_static_input_idx:
+                t = srcs[idx]
+                if isinstance(t, torch.Tensor):
+                    rows.append((t.numel() * t.element_size(), idx, list(t.shape), str(t.dtype),
+                                 isinstance(t, torch.nn.Parameter)))
+            rec["tensors"] = len(rows)
+            rec["bytes"] = sum(r[0] for r in rows)
+            rec["largest"] = sorted(rows, reverse=True)[:12]
+            rec["parameters"] = sum(1 for r in rows if r[4])
+            rec["inputs"] = len(srcs)
+        return original(self, dsts, srcs)
+
+    mod.CUDAGraphNode._copy_inputs_and_remove_from_src = _copy_inputs_and_remove_from_src
+
+
+if os.environ.get("NX_PROBE_CG_COPIES") == "1":
+    sys.meta_path.insert(0, _Finder("torch._inductor.cudagraph_trees", _patch_cudagraph_trees))
+
 if os.environ.get("NX_PROBE_CUT"):
     os.makedirs(os.environ["NX_PROBE_CUT"], exist_ok=True)
     sys.meta_path.insert(0, _Finder("nexfort_engine.split", _patch_split))
@@ -218,6 +254,8 @@ def _report() -> None:
            "gc_max_s": round(_gc["max"], 3), "gc_events": _gc_events, "objects_at_exit": len(gc.get_objects()),
            "gc_frozen": gc.get_freeze_count(), "maxrss_mib": _maxrss_mib(), "autotune": _tuned,
            "cudnn_benchmark_forced_off": os.environ.get("NX_PROBE_NO_CUDNN_BENCHMARK") == "1"}
+    if _cg_copies:
+        rec["cudagraph_copies"] = sorted(_cg_copies.values(), key=lambda r: -r["bytes"] * r["calls"])[:20]
     if _samples["n"]:
         top = sorted(_samples["incl"].items(), key=lambda kv: -kv[1])[:300]
         rec["samples"] = {"n": _samples["n"], "incl": dict(top),
