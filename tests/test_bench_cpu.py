@@ -429,3 +429,26 @@ def test_summary_lists_every_run_of_an_ab_call():
     lines = [line for line in report.summary_table(rows).splitlines() if line.startswith("| G |")]
     assert len(lines) == 3 and "| none |" in lines[0]
     assert "attention=cudnn-fp8` | 11.00 | 1.83x" in lines[1] and '{"mode": "O3"}` | 12.00 | 2.00x' in lines[2]
+
+
+def test_probe_records_cudagraph_input_copies(tmp_path):
+    """``NX_PROBE_CG_COPIES=1`` wraps CUDA-graph trees' input copy: the copy still happens, and the
+    probe's exit record lists what was copied (here on CPU tensors, through the real method)."""
+    out = tmp_path / "probe.jsonl"
+    code = (
+        "import types, torch\n"
+        "from torch._inductor import cudagraph_trees as m\n"
+        "node = types.SimpleNamespace(non_static_input_idx=[0, 2], expanded_dims=[[], [], []])\n"
+        "dst = [torch.zeros(4, 8), torch.zeros(2), torch.zeros(3)]\n"
+        "src = [torch.ones(4, 8), torch.ones(2), torch.nn.Parameter(torch.ones(3))]\n"
+        "m.CUDAGraphNode._copy_inputs_and_remove_from_src(node, dst, src)\n"
+        "assert dst[0].sum() == 32 and dst[2].sum() == 3 and dst[1].sum() == 0 and src[0] is None\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "benchmarks" / "probe_site"), "NX_PROBE_CG_COPIES": "1",
+           "NX_PROBE_OUT": str(out)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    rec = json.loads(out.read_text().splitlines()[-1])
+    (copies,) = rec["cudagraph_copies"]
+    assert copies["calls"] == 1 and copies["tensors"] == 2 and copies["parameters"] == 1
+    assert copies["bytes"] == 4 * 8 * 4 + 3 * 4
+    assert copies["largest"][0] == [128, 0, [4, 8], "torch.float32", False]
