@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +53,9 @@ ATTN = (1, 24, IMG + TXT, 128, 57)
 
 
 def time_s(fn: Any, device: torch.device, seconds: float = 0.4) -> float:
-    """Seconds per call: warm up for ``seconds``, then the best of 5 blocks of ~``seconds``/5."""
-    t_end = time.perf_counter() + seconds
-    n = 0
-    while time.perf_counter() < t_end:
-        fn()
-        n += 1
-        if n % 8 == 0:
-            torch.cuda.synchronize(device)
-    torch.cuda.synchronize(device)
-    per = seconds / max(n, 1)
+    """Seconds per call: warm up for ``seconds`` (:func:`metrics.block_times`, whose one block of 3
+    calls after it sizes the blocks), then the best of 5 blocks of ~``seconds``/5."""
+    per = metrics.block_times(fn, device, iters=3, blocks=1, warm_s=seconds)[0]
     iters = max(3, int(seconds / 5 / per))
     return metrics.time_op(fn, device, iters, blocks=5, warmup=1)
 
