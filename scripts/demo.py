@@ -2,7 +2,7 @@
 
 1. builds the embedded tiny SD1.5 checkpoint if it is missing (no downloads),
 2. starts a headless ComfyUI with the pack in custom_nodes,
-3. runs the eager twin of ``workflows/api/txt2img_compiled.json`` twice, then the compiled workflow
+3. runs the eager twin of ``tests/workflows/api/txt2img_compiled.json`` twice, then the compiled workflow
    twice (the first pays the compile, or a warm-cache load; the second runs are steady state),
 4. prints image paths, seconds per step (from the websocket's per-step progress events), compile
    time, the cache directory and the engine's counters (``GET /nexfort/stats``), and stops the server.
@@ -26,7 +26,7 @@ import comfy_server  # noqa: E402
 import tiny_checkpoint  # noqa: E402
 
 REPO = comfy_server.REPO_ROOT
-WORKFLOW = REPO / "workflows" / "api" / "txt2img_compiled.json"
+WORKFLOW = REPO / "tests" / "workflows" / "api" / "txt2img_compiled.json"
 COMPILE_NODE = "NexfortCompileModel"
 
 

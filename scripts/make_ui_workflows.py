@@ -1,5 +1,7 @@
-"""Generate the UI-format twins (``workflows/ui/*.json``, what users drag onto the ComfyUI canvas) of
-every API-format workflow in ``workflows/api/``, from the node schemas in ``/object_info``.
+"""Generate the UI-format twins (what users drag onto the ComfyUI canvas) of every API-format workflow,
+from the node schemas in ``/object_info``: ``example_workflows/api/*.json`` -> ``example_workflows/*.json``
+(the user's models; ComfyUI's template browser lists them) and ``tests/workflows/api/*.json`` ->
+``tests/workflows/ui/*.json`` (the embedded tiny checkpoint: the demo and the tests).
 
 Each UI node keeps its API node id; ``widgets_values`` follow the frontend's order: the schema's
 ``input_order`` (required, then optional), widget-typed inputs only, with KSampler-style
@@ -21,8 +23,12 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-API_DIR = REPO / "workflows" / "api"
-UI_DIR = REPO / "workflows" / "ui"
+API_DIR = REPO / "tests" / "workflows" / "api"
+UI_DIR = REPO / "tests" / "workflows" / "ui"
+EXAMPLE_API_DIR = REPO / "example_workflows" / "api"
+EXAMPLE_DIR = REPO / "example_workflows"
+#: (API-format sources, where their UI twins go)
+SETS = {"tests": (API_DIR, UI_DIR), "examples": (EXAMPLE_API_DIR, EXAMPLE_DIR)}
 
 #: input types the frontend draws as widgets (anything else, e.g. MODEL, is a socket)
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
@@ -171,15 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="a running ComfyUI with the pack (default: start one)")
     ap.add_argument("--object-info", type=Path, help="a saved /object_info JSON instead of a server")
-    ap.add_argument("--out", type=Path, default=UI_DIR)
+    ap.add_argument("--set", choices=[*SETS, "all"], default="all", help="which workflows (default: all)")
     args = ap.parse_args(argv)
     info = json.loads(args.object_info.read_text()) if args.object_info else fetch_object_info(args.url)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for api_path in sorted(API_DIR.glob("*.json")):
-        ui = api_to_ui(json.loads(api_path.read_text()), info)
-        dest = args.out / api_path.name
-        dest.write_text(json.dumps(ui, indent=2) + "\n")
-        print(f"{api_path.relative_to(REPO)} -> {dest}")
+    for name, (api_dir, ui_dir) in SETS.items():
+        if args.set not in (name, "all"):
+            continue
+        ui_dir.mkdir(parents=True, exist_ok=True)
+        for api_path in sorted(api_dir.glob("*.json")):
+            ui = api_to_ui(json.loads(api_path.read_text()), info)
+            dest = ui_dir / api_path.name
+            dest.write_text(json.dumps(ui, indent=2) + "\n")
+            print(f"{api_path.relative_to(REPO)} -> {dest.relative_to(REPO)}")
     return 0
 
 

@@ -91,7 +91,7 @@ def comfy_base(tmp_path_factory, tiny_ckpt) -> Path:
 
 @pytest.fixture(scope="session")
 def workflow_assets(comfy_host, comfy_base, tiny_ckpt) -> dict[str, Path]:
-    """Every file the shipped ``workflows/api`` graphs refer to, placed in the shared base dir (the
+    """Every file the shipped ``tests/workflows/api`` graphs refer to, placed in the shared base dir (the
     checkpoint is already linked; the tiny LoRA and ControlNet are written next to it, without
     ComfyUI; the img2img and ControlNet graphs' ``example.png`` is the one ComfyUI ships in its
     ``input/``, as a user's ComfyUI has it)."""

@@ -19,10 +19,10 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
-WORKFLOWS = sorted((REPO / "workflows" / "api").glob("*.json"))
-COMPILED_WORKFLOW = REPO / "workflows" / "api" / "txt2img_compiled.json"
-IMG2IMG_WORKFLOW = REPO / "workflows" / "api" / "img2img_compiled.json"
-CONTROLNET_WORKFLOW = REPO / "workflows" / "api" / "controlnet_compiled.json"
+WORKFLOWS = sorted((REPO / "tests" / "workflows" / "api").glob("*.json"))
+COMPILED_WORKFLOW = REPO / "tests" / "workflows" / "api" / "txt2img_compiled.json"
+IMG2IMG_WORKFLOW = REPO / "tests" / "workflows" / "api" / "img2img_compiled.json"
+CONTROLNET_WORKFLOW = REPO / "tests" / "workflows" / "api" / "controlnet_compiled.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _seeds = itertools.count(1000)
 

@@ -2,7 +2,7 @@
 
 The session's shared ComfyUI server (``tests/conftest.py``: isolated base directory, tiny checkpoint)
 serves the installed front end and this pack. If nothing has compiled yet in this session, the test
-runs ``workflows/api/txt2img_compiled.json`` once, so ``GET /nexfort/stats`` holds a real model
+runs ``tests/workflows/api/txt2img_compiled.json`` once, so ``GET /nexfort/stats`` holds a real model
 record for its Compile Model node ("2"). Debian's chromium (``scripts/setup_browser.sh``; Playwright
 drives it through ``executable_path`` and never downloads a browser) opens the UI, a workflow with
 our nodes (same node id) is loaded through ``app.loadGraphData``, and each badge is checked three
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.timeout(
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = Path(os.environ.get("NEXFORT_HOST", REPO / ".host" / "ComfyUI"))
-COMPILED_WORKFLOW = REPO / "workflows" / "api" / "txt2img_compiled.json"
+COMPILED_WORKFLOW = REPO / "tests" / "workflows" / "api" / "txt2img_compiled.json"
 
 CHROMIUM_FLAGS = [
     "--headless",

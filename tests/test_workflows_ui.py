@@ -1,6 +1,8 @@
-"""The UI-format workflows (``workflows/ui``, dragged onto the ComfyUI canvas) against a real server's
-``/object_info``: node types exist, ``widgets_values`` match each schema (count, order, types, combo
-options), links join existing slots of matching types, and every UI graph equals its API twin.
+"""The UI-format workflows against a real server's ``/object_info``: the examples users open
+(``example_workflows/``, on their own models) and the tiny-checkpoint ones the demo and the tests run
+(``tests/workflows/ui``). Node types exist, ``widgets_values`` match each schema (count, order, types,
+combo options; an example's model file names need not be on this server), links join existing slots
+of matching types, and every UI graph equals its API twin.
 
 Also: our nodes' schemas carry a description, a ``nexfort/`` category and a tooltip per input.
 Nothing here runs a prompt, so these tests cost no compile.
@@ -16,12 +18,19 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
-API_DIR = REPO / "workflows" / "api"
-UI_DIR = REPO / "workflows" / "ui"
-UI_WORKFLOWS = sorted(UI_DIR.glob("*.json"))
+API_DIR = REPO / "tests" / "workflows" / "api"
+UI_DIR = REPO / "tests" / "workflows" / "ui"
+EXAMPLE_DIR = REPO / "example_workflows"
+EXAMPLE_API_DIR = EXAMPLE_DIR / "api"
+#: UI directory -> its API twins' directory
+SETS = {UI_DIR: API_DIR, EXAMPLE_DIR: EXAMPLE_API_DIR}
+UI_WORKFLOWS = sorted(UI_DIR.glob("*.json")) + sorted(EXAMPLE_DIR.glob("*.json"))
 OUR_NODES = ["NexfortCompileModel", "NexfortCompileVAE", "NexfortCompileControlNet", "NexfortCacheManager"]
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+MAX_TOOLTIP = 160
+#: the loaders' file-name inputs (an example names the user's model file, not on the test server)
+MODEL_FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name", "vae_name", "lora_name", "control_net_name"}
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +74,14 @@ def _combo_options(spec: list) -> list:
     return spec[0] if isinstance(spec[0], list) else _extra(spec).get("options", [])
 
 
-def _check_value(where: str, spec: list, value) -> None:
+def _check_value(where: str, spec: list, value, model_file: bool = False) -> None:
+    """``model_file``: a loader's file-name combo in an example (the user's model, not on this server):
+    any non-empty string."""
     kind, extra = ("COMBO" if isinstance(spec[0], list) else spec[0]), _extra(spec)
-    if kind == "COMBO":
+    if kind == "COMBO" and model_file:
+        assert isinstance(value, str) and value.endswith((".safetensors", ".ckpt", ".pt", ".pth", ".gguf")), (
+            f"{where}: {value!r} is not a model file name")
+    elif kind == "COMBO":
         options = _combo_options(spec)
         assert value in options, f"{where}: {value!r} is not one of {options[:20]}"
     elif kind == "INT":
@@ -120,13 +134,28 @@ def _ui_to_api(ui: dict, object_info: dict) -> dict:
     return graph
 
 
-def test_every_api_workflow_has_a_ui_twin():
-    api = {p.name for p in API_DIR.glob("*.json")}
-    ui = {p.name for p in UI_WORKFLOWS}
+@pytest.mark.parametrize("ui_dir", list(SETS), ids=["tests", "examples"])
+def test_every_api_workflow_has_a_ui_twin(ui_dir):
+    api = {p.name for p in SETS[ui_dir].glob("*.json")}
+    ui = {p.name for p in ui_dir.glob("*.json")}
     assert api == ui, f"API without UI twin: {sorted(api - ui)}; UI without API twin: {sorted(ui - api)}"
 
 
-@pytest.mark.parametrize("workflow", UI_WORKFLOWS, ids=[w.stem for w in UI_WORKFLOWS])
+def test_examples_name_real_model_files_and_have_thumbnails():
+    """The examples run on the user's models (never the tiny test checkpoint), and each has the
+    thumbnail ComfyUI's template browser shows (``<name>.jpg`` beside it)."""
+    examples = sorted(EXAMPLE_DIR.glob("*.json"))
+    assert len(examples) >= 3
+    for path in examples:
+        assert "nexfort-tiny" not in path.read_text(), f"{path.name} loads the tiny test checkpoint"
+        assert path.with_suffix(".jpg").is_file(), f"{path.name} has no thumbnail {path.stem}.jpg"
+
+
+def _wid(workflow: Path) -> str:
+    return f"{workflow.parent.name}/{workflow.stem}"
+
+
+@pytest.mark.parametrize("workflow", UI_WORKFLOWS, ids=[_wid(w) for w in UI_WORKFLOWS])
 def test_ui_workflow_matches_schemas(object_info, workflow):
     ui = _load(workflow)
     assert ui.get("version") == 0.4 and isinstance(ui.get("nodes"), list) and isinstance(ui.get("links"), list)
@@ -148,7 +177,8 @@ def test_ui_workflow_matches_schemas(object_info, workflow):
             if spec is None:
                 assert value in CONTROL_VALUES, f"{where}: control_after_generate of {name} is {value!r}"
             else:
-                _check_value(f"{where} widget {name}", spec, value)
+                model_file = workflow.parent == EXAMPLE_DIR and name in MODEL_FILE_INPUTS
+                _check_value(f"{where} widget {name}", spec, value, model_file)
         # sockets: names/types as in the schema, required ones linked
         want = _sockets(info)
         have = [(i["name"], i["type"]) for i in node.get("inputs") or [] if "widget" not in i]
@@ -186,10 +216,10 @@ def test_ui_workflow_matches_schemas(object_info, workflow):
                 assert lk in seen, f"{workflow.name}: node {node['id']} lists unknown link {lk}"
 
 
-@pytest.mark.parametrize("workflow", UI_WORKFLOWS, ids=[w.stem for w in UI_WORKFLOWS])
+@pytest.mark.parametrize("workflow", UI_WORKFLOWS, ids=[_wid(w) for w in UI_WORKFLOWS])
 def test_ui_workflow_equals_its_api_twin(object_info, workflow):
-    api_path = API_DIR / workflow.name
-    assert api_path.is_file(), f"{workflow.name} has no API twin in {API_DIR}"
+    api_path = SETS[workflow.parent] / workflow.name
+    assert api_path.is_file(), f"{workflow.name} has no API twin in {SETS[workflow.parent]}"
     api = {nid: {"class_type": n["class_type"], "inputs": n["inputs"]} for nid, n in _load(api_path).items()}
     assert _ui_to_api(_load(workflow), object_info) == api, (
         f"{workflow.name} differs from its API twin: regenerate with scripts/make_ui_workflows.py")
@@ -204,5 +234,10 @@ def test_our_nodes_document_every_input(object_info, node):
     assert inputs, f"{node} lists no inputs"
     missing = [name for name, spec in inputs if not _extra(spec).get("tooltip", "").strip()]
     assert not missing, f"{node}: inputs without a tooltip: {missing}"
+    # a tooltip is one line; the longer help is in docs/, linked from the description
+    long = {name: len(_extra(spec)["tooltip"]) for name, spec in inputs
+            if len(_extra(spec)["tooltip"]) > MAX_TOOLTIP or "\n" in _extra(spec)["tooltip"]}
+    assert not long, f"{node}: tooltips over {MAX_TOOLTIP} characters or with line breaks: {long}"
+    assert "/docs/" in info["description"], f"{node}: the description links no docs/ page"
     tips = info.get("output_tooltips") or []
     assert len(tips) == len(info["output"]) and all(tips), f"{node}: output tooltips {tips}"

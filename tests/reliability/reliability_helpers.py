@@ -25,7 +25,7 @@ if str(REPO / "scripts") not in sys.path:
 
 import comfy_server  # noqa: E402
 
-LORA_WORKFLOW = REPO / "workflows" / "api" / "txt2img_lora.json"
+LORA_WORKFLOW = REPO / "tests" / "workflows" / "api" / "txt2img_lora.json"
 SECOND_SEED = 20261123
 SECOND_CKPT = "nexfort-tiny-sd15-seed2.safetensors"
 #: compiled vs eager: max |latent difference| and max |pixel difference| (0..255) allowed
