@@ -17,6 +17,7 @@ import nexfort_engine
 from nexfort_engine import gemm_tuning, prewarm
 from nexfort_engine.cache import CacheError, CacheStore, export_bundle, import_bundle
 
+from .common import DOCS_URL
 from .patcher import cache_root
 
 ACTIONS = ["refresh", "clear_all", "clear_model", "export_bundle", "import_bundle"]
@@ -178,17 +179,17 @@ class NexfortCacheManager(io.ComfyNode):
             display_name="Nexfort Cache Manager",
             category="nexfort/cache",
             description="Show the nexfort compile cache (entries, sizes, hits/misses, recompiles and their reasons) "
-            "and manage it: refresh, clear all, clear one model, export/import a verified bundle.",
+            "and manage it: refresh, clear all, clear one model, export/import a verified bundle. "
+            f"Help: {DOCS_URL}/cache.md",
             inputs=[
                 io.Combo.Input("action", options=ACTIONS, default="refresh",
-                               tooltip="refresh: report only. clear_all / clear_model: delete entries. "
-                               "export_bundle: write entries to the output folder. import_bundle: verify and "
-                               "install a bundle from the input (or output) folder."),
-                io.String.Input("key", default="", tooltip="Entry key (or its first characters) for clear_model, "
-                                "or to export a single entry. Shown in the report."),
+                               tooltip="refresh: report. clear_all / clear_model: delete entries. "
+                               "export_bundle / import_bundle: a verified .tar.gz."),
+                io.String.Input("key", default="", tooltip="Entry key (or its first characters, as in the report) "
+                                "for clear_model or a one-entry export."),
                 io.String.Input("bundle_path", default="nexfort-cache.tar.gz",
-                                tooltip="Bundle file name, relative to ComfyUI's output folder (export) or "
-                                "input/output folder (import). Paths outside ComfyUI's folders are refused."),
+                                tooltip="Bundle file in ComfyUI's output folder (export) or input/output folder "
+                                "(import)."),
             ],
             outputs=[io.String.Output("report", tooltip="The cache report as text.")],
             is_output_node=True,

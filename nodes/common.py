@@ -22,32 +22,29 @@ MODES = [
 ]
 
 
+#: where the longer help lives (linked from the node descriptions; tooltips stay one line)
+DOCS_URL = "https://github.com/nexfort/comfyui-nexfort/blob/main/docs"
+
+
 def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
     inputs = [
         io.Combo.Input(
             "mode",
             options=MODES,
             default="O2",
-            tooltip="Compile mode. O1: fast compile. O2 (recommended): accurate, dynamic resolution, LoRA-safe. "
-            "O3: lowest precision, fastest: fp8 linears on Ada/Hopper for wide DiTs such as Flux (lossy), "
-            "autotuning of the fp8 graphs (left out where no fp8 linears run, and on a UNet compiled whole such as "
-            "SDXL: slower there, with a much longer compile), CUDA graphs, "
-            "reduced-precision math. Flags can be combined with ':'; "
-            "for any other combination put {\"mode\": \"...\"} in options.",
+            tooltip="O2: accurate, any resolution, LoRA-safe (default). O1: fastest compile. "
+            "O3: fp8 on Ada/Hopper for wide DiTs (Flux), lossy. See docs/modes.md.",
         ),
         io.Combo.Input(
             "memory_format",
             options=list(MEMORY_FORMATS),
             default="contiguous",
-            tooltip="Layout of the inputs passed to the compiled model. On GPUs nexfort already runs "
-            "convolution-heavy models (UNets, VAEs) channels-last inside the compiled graph, weights included, "
-            "so contiguous is as fast (SDXL's VAE decode measured the same either way).",
+            tooltip="Layout of the model's inputs; conv nets already run channels-last inside the graph.",
         ),
         io.Boolean.Input(
             "dynamic",
             default=True,
-            tooltip="Dynamic shape: one compiled graph for every resolution, batch size, prompt length and "
-            "step count (no recompiles). Turn off only for a single fixed shape.",
+            tooltip="One graph for every resolution, batch, prompt length and step count. Off: one compile per size.",
         ),
     ]
     if include_fuse_qkv:
@@ -55,7 +52,7 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             io.Boolean.Input(
                 "fuse_qkv",
                 default=False,
-                tooltip="Fuse the query/key/value projections of self-attention into one matmul (graph pass).",
+                tooltip="Fuse self-attention's query/key/value projections into one matmul.",
             )
         )
     inputs.append(
@@ -63,28 +60,7 @@ def mode_inputs(include_fuse_qkv: bool) -> list[Any]:
             "options",
             default="",
             multiline=True,
-            tooltip='Advanced JSON, the nexfort options format, e.g. {"mode": "max-autotune:cudagraphs", '
-            '"options": {"inductor.coordinate_descent_tuning": true}}. Keys here override the widgets. '
-            '{"regional": true} compiles a UNet\'s transformer blocks once each (SDXL: ~17 s instead of '
-            'minutes, a few % slower); {"fp8": true} runs linears in fp8 on Ada/Hopper (O3 does '
-            'that by default there for models at least 2048 wide, e.g. Flux; {"fp8": false} keeps O3 in '
-            'bf16/fp16); {"background": true} compiles a cold model in a separate process while sampling '
-            'runs uncompiled, then switches to the compiled model (no wait for the first image; SDXL '
-            'compiled after ~1 min on an H100; needs GPU memory for a second copy of the weights '
-            'while it compiles); {"compile_workers": 1} '
-            "compiles a UNet's graph in this process only (by default on a GPU, up to 8 processes "
-            "compile parts of it at once: SDXL ~51 s cold on an H100 host, where ComfyUI's own compile "
-            "took 81 s; the workers get the graph's parts, not the weights). "
-            'By default on a GPU, a UNet\'s first compile is static-shape for the first size (SDXL '
-            "~31-40 s cold on an H100, ComfyUI's own 79-80 s) while a background process compiles the "
-            "any-size graph, used from the first other size on (other sizes run uncompiled until it is "
-            'ready; a VAE\'s decode and encode do the same: SDXL\'s VAE 25-29 s instead of 42-45 s '
-            'before its first 1024² image); {"static_first": false} compiles the any-size graph at once. '
-            '{"fp8_weights": true} stores the block linears\' weights in fp8 while this model runs (half '
-            'the weight memory of a bf16 model, lossy; with O3 the fp8 matmuls read them directly). '
-            "On Hopper, compiled graphs run cuDNN attention ahead of flash, which newer ComfyUI puts "
-            'first (cuDNN is 1.6-1.9x faster there); {"sdpa_cudnn_first": false} keeps ComfyUI\'s order. '
-            "Validated when the prompt is queued.",
+            tooltip='Advanced JSON that overrides the widgets, e.g. {"background": true}. Keys: docs/modes.md.',
         )
     )
     return inputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .common import build_config, mode_inputs, validate_options
+from .common import DOCS_URL, build_config, mode_inputs, validate_options
 from .patcher import compile_controlnet
 
 
@@ -18,7 +18,8 @@ class NexfortCompileControlNet(io.ComfyNode):
             description="Compile a ControlNet with nexfort, between Load ControlNet and Apply ControlNet. ComfyUI "
             "runs a ControlNet beside the diffusion model at every step, uncompiled; this compiles it at its "
             "first step (dynamic shape, persistent cache). Control-LoRAs and T2I adapters pass through "
-            "uncompiled. Falls back to eager with a warning if compiling fails.",
+            "uncompiled. Falls back to eager with a warning if compiling fails. "
+            f"Help: {DOCS_URL}/controlnet-and-patches.md",
             inputs=[io.ControlNet.Input("control_net", tooltip="The ControlNet to compile (from Load ControlNet)."),
                     *mode_inputs(False)],
             outputs=[io.ControlNet.Output(tooltip="A copy of the ControlNet whose model is compiled on first use.")],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .common import build_config, mode_inputs, validate_options
+from .common import DOCS_URL, build_config, mode_inputs, validate_options
 from .patcher import compile_model_patcher
 
 
@@ -17,7 +17,7 @@ class NexfortCompileModel(io.ComfyNode):
             category="nexfort/compile",
             description="Compile the diffusion model (UNet or DiT) with nexfort (torch.compile + Inductor) at the "
             "first sampling step. Dynamic shape, persistent cache, LoRA-safe; falls back to eager with a "
-            "warning if compiling fails.",
+            f"warning if compiling fails. Help: {DOCS_URL}/modes.md",
             inputs=[io.Model.Input("model", tooltip="The model to compile (from a loader, LoRA, etc.)."), *mode_inputs(True)],
             outputs=[io.Model.Output(tooltip="The same model, compiled at its first sampling step.")],
             hidden=[io.Hidden.unique_id],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .common import build_config, mode_inputs, validate_options
+from .common import DOCS_URL, build_config, mode_inputs, validate_options
 from .patcher import compile_vae
 
 
@@ -16,7 +16,8 @@ class NexfortCompileVAE(io.ComfyNode):
             display_name="Nexfort Compile VAE",
             category="nexfort/compile",
             description="Compile the VAE's decode and encode with nexfort (tiled decode/encode included, one graph "
-            "for every tile and image size). Falls back to eager with a warning if compiling fails.",
+            "for every tile and image size). Falls back to eager with a warning if compiling fails. "
+            f"Help: {DOCS_URL}/modes.md",
             inputs=[io.Vae.Input("vae", tooltip="The VAE to compile."), *mode_inputs(False)],
             outputs=[io.Vae.Output(tooltip="A copy of the VAE whose decode/encode are compiled on first use.")],
             hidden=[io.Hidden.unique_id],
