@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from filelock import FileLock
 
@@ -156,6 +156,29 @@ def _subclass_desc(t: Any) -> str:
 def entry_key(structure: str, options_digest: str, env: dict[str, str]) -> str:
     blob = json.dumps({"s": structure, "o": options_digest, "e": env}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
+
+
+class _EnvSet:
+    """Sets environment variables on entry and puts the old values back on exit."""
+
+    __slots__ = ("_new", "_old")
+
+    def __init__(self, new: dict[str, str]) -> None:
+        self._new = new
+        self._old: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        environ = os.environ
+        self._old = {k: environ.get(k) for k, v in self._new.items() if environ.get(k) != v}
+        for k in self._old:
+            environ[k] = self._new[k]
+
+    def __exit__(self, *exc: Any) -> None:
+        for k, v in self._old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass
@@ -286,21 +309,17 @@ class CacheEntry:
         meta.setdefault("created", meta["last_used"])
         atomic_write_json(self.path / META, meta)
 
-    @contextlib.contextmanager
-    def activate(self) -> Iterator[None]:
-        """Point Inductor's and Triton's caches at this entry for the duration of a call."""
-        self.artifacts.mkdir(parents=True, exist_ok=True)
-        new = {"TORCHINDUCTOR_CACHE_DIR": str(self.artifacts), "TRITON_CACHE_DIR": str(self.artifacts / "triton")}
-        old = {k: os.environ.get(k) for k in new}
-        os.environ.update(new)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    def activate(self) -> contextlib.AbstractContextManager[None]:
+        """Point Inductor's and Triton's caches at this entry for the duration of a call (entered
+        around every compiled call: the paths are built once, the folder made when missing)."""
+        env = self.__dict__.get("_env")
+        if env is None:
+            artifacts = str(self.artifacts)
+            env = self.__dict__["_env"] = {"TORCHINDUCTOR_CACHE_DIR": artifacts,
+                                           "TRITON_CACHE_DIR": os.path.join(artifacts, "triton")}
+        if not os.path.isdir(env["TORCHINDUCTOR_CACHE_DIR"]):
+            os.makedirs(env["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
+        return _EnvSet(env)
 
 
 class CacheStore:
