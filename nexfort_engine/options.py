@@ -197,7 +197,14 @@ class CompileConfig:
         return d
 
     def digest(self) -> str:
-        """Stable short hash of the identity fields (used in cache keys)."""
+        """Stable short hash of the identity fields (used in cache keys). The node glue looks its
+        compiled model up by it at every step: computed once (the config is frozen)."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            cached = self.__dict__["_digest"] = self._digest()
+        return cached
+
+    def _digest(self) -> str:
         d = self.to_dict()
         d.pop("mode", None)
         if not d["fp8_weights"]:  # added later: configs without it keep their digest (and caches)

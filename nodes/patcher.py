@@ -372,6 +372,43 @@ def _traceable_clone(model: Any) -> tuple[Any, str | None]:
         return model.clone(), f"{type(e).__name__}: {e}"
 
 
+def move_conds(conds: Any, move: Any) -> int:
+    """Each CPU tensor condition (``model_conds``: text embeddings, pooled vectors, Flux's guidance)
+    of a sampling's processed conditioning replaced by a copy holding ``move(tensor)``; how many."""
+    import comfy.conds
+
+    moved = 0
+    for entries in (conds or {}).values():
+        for entry in entries or ():
+            model_conds = entry.get("model_conds") if isinstance(entry, dict) else None
+            for key, cond in list((model_conds or {}).items()):
+                if (isinstance(cond, comfy.conds.CONDRegular) and isinstance(cond.cond, torch.Tensor)
+                        and cond.cond.device.type == "cpu" and not cond.cond.requires_grad):
+                    model_conds[key] = cond._copy_with(move(cond.cond))
+                    moved += 1
+    return moved
+
+
+def conds_on_device(executor: Any, guider: Any, *args: Any, **kwargs: Any) -> Any:
+    """``WrappersMP.SAMPLER_SAMPLE``: the sampling's conditioning on the GPU once, before its steps.
+
+    ComfyUI keeps the conditioning on the CPU and, every step, concatenates cond and uncond there and
+    hands the model CPU tensors, which our model wrapper then stages through pinned memory and
+    copies in: host work and a copy in the GPU's stream each step (Flux's 512x4096 text embedding
+    is 8 MB a step). Moved here once, ComfyUI's per-step concatenation runs on the GPU and the model
+    gets device tensors. Safe: the processed conditioning (``model_conds``) is ComfyUI's
+    per-sampling copy (``encode_model_conds``), the values and dtypes are unchanged, and every cond
+    of a sampling lands on the same device, as ComfyUI's ``can_concat`` requires."""
+    device = getattr(getattr(guider, "model_patcher", None), "load_device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        move_conds(getattr(guider, "conds", None), lambda t: to_device_async(t, device))
+    return executor(guider, *args, **kwargs)
+
+
+# in the sampling's transformer_options (its wrappers), never called by the model (background.CARRIED)
+setattr(conds_on_device, CARRIED, True)
+
+
 def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None = None) -> Any:
     """Clone ``model`` (a ModelPatcher) and register the nexfort APPLY_MODEL wrapper on the clone.
     A dynamic-VRAM ModelPatcher that cannot be made a regular one is returned cloned, uncompiled,
@@ -380,6 +417,7 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
 
     m, why = _traceable_clone(model)
     m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    m.remove_wrappers_with_key(WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY)
     if why is not None:
         _not_compiled(type(model.get_model_object("diffusion_model")).__name__,
                       f"cannot be made a regular model: {why}", node_id)
@@ -447,6 +485,7 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
     # background compile's child may get it without its closure (background.CARRIED)
     setattr(nexfort_apply_model, CARRIED, True)
     m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, nexfort_apply_model)
+    m.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, conds_on_device)
     m.model_options["nexfort_config"] = config.to_dict()
     return m
 

@@ -55,6 +55,56 @@ def test_clone_is_compiled_original_untouched(patcher, unet, fresh_stats):
     assert tm.rel_err(_sample(again), ref) <= TOL
 
 
+def test_the_conditioning_moves_once_per_sampling(patcher, unet, fresh_stats, monkeypatch):
+    """The SAMPLER_SAMPLE wrapper hands each CPU tensor condition of the sampling's processed
+    conditioning to the move once (on a GPU: pinned, asynchronous copies), leaves other conditions
+    and the user's conditioning alone, and the image is unchanged."""
+    import comfy.conds
+    from comfy.patcher_extension import WrappersMP
+
+    cfg = nexfort_engine.parse_options(EAGER)
+    c = patcher.compile_model_patcher(unet, cfg)
+    assert c.wrappers[WrappersMP.SAMPLER_SAMPLE]["nexfort"] == [patcher.conds_on_device]
+    assert not unet.wrappers.get(WrappersMP.SAMPLER_SAMPLE, {}).get("nexfort")
+    ref = _sample(unet)
+
+    seen = []  # (id of the conditioning dict, keys moved) per sampling
+    real = patcher.move_conds
+
+    def moving(conds, move):
+        moved = []
+
+        def recorded(t):
+            moved.append(tuple(t.shape))
+            return t.clone()  # a new tensor, as a device copy is
+
+        n = real(conds, recorded)
+        seen.append((n, moved))
+        return n
+
+    # on a CPU the wrapper moves nothing: a guider whose model loads on a GPU calls the move
+    monkeypatch.setattr(patcher, "move_conds", moving)
+    guider_conds = {"positive": [{"model_conds": {
+        "c_crossattn": comfy.conds.CONDCrossAttn(torch.ones(1, 3, 4)),
+        "constant": comfy.conds.CONDConstant(5)}}]}
+    user_tensor = guider_conds["positive"][0]["model_conds"]["c_crossattn"].cond
+    assert real(guider_conds, lambda t: t.clone()) == 1
+    moved = guider_conds["positive"][0]["model_conds"]
+    assert moved["c_crossattn"].cond is not user_tensor and torch.equal(moved["c_crossattn"].cond, user_tensor)
+    assert isinstance(moved["c_crossattn"], comfy.conds.CONDCrossAttn) and moved["constant"].cond == 5
+    assert real({"negative": [{"model_conds": {"x": comfy.conds.CONDRegular(torch.ones(2, device="meta"))}}]},
+                lambda t: t) == 0  # not a CPU tensor: left as it is
+
+    class Guider:
+        model_patcher = type("P", (), {"load_device": torch.device("cuda")})()
+        conds = {"positive": [{"model_conds": {"c_crossattn": comfy.conds.CONDCrossAttn(torch.ones(1, 3, 4))}}]}
+
+    calls = []
+    out = patcher.conds_on_device(lambda g, *a, **k: calls.append((g, a, k)) or "sampled", Guider, 1, x=2)
+    assert out == "sampled" and calls == [(Guider, (1,), {"x": 2})] and seen and seen[0][0] == 1
+    assert tm.rel_err(_sample(c), ref) <= TOL
+
+
 def _patch_key(mp) -> str:
     # the output conv: a weight whose patch visibly changes the result of this tiny random model
     # (a middle-block attention projection does not, at these sizes)
