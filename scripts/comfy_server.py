@@ -7,8 +7,8 @@ Only the standard library plus aiohttp (a ComfyUI dependency, for the progress w
         result.images, result.step_seconds("3"), srv.stats()
 
 The server is started as ``main.py --cpu --use-pytorch-cross-attention --disable-api-nodes --listen
-127.0.0.1 --port <free>`` in its own process group; stdout/stderr go to a log file whose tail is
-included in every error. ``make_base_dir`` builds an isolated ``--base-directory`` (models, custom
+127.0.0.1 --port <free>`` (without ``--cpu`` where ``cpu=False``) in its own process group;
+stdout/stderr go to a log file whose tail is included in every error. ``make_base_dir`` builds an isolated ``--base-directory`` (models, custom
 nodes, user, output) so tests never touch the developer's host tree or compile cache.
 """
 
@@ -171,7 +171,10 @@ class ComfyServer:
 
     def __init__(self, host_dir: str | os.PathLike, base_dir: str | os.PathLike | None = None,
                  port: int | None = None, log_path: str | os.PathLike | None = None,
-                 env: dict | None = None, extra_args: list[str] = (), python: str = sys.executable):
+                 env: dict | None = None, extra_args: list[str] = (), python: str = sys.executable,
+                 cpu: bool = True):
+        """``cpu=False`` starts ComfyUI without ``--cpu`` (on its default device: the GPU where there is
+        one); ``extra_args`` are appended to the command line (e.g. ``["--preview-method", "auto"]``)."""
         self.host_dir = Path(host_dir).resolve()
         self.base_dir = Path(base_dir).resolve() if base_dir else None
         self.port = port or free_port()
@@ -182,14 +185,15 @@ class ComfyServer:
         self.env = dict(env or {})
         self.extra_args = list(extra_args)
         self.python = python
+        self.cpu = cpu
         self.proc: subprocess.Popen | None = None
         self.client_id = uuid.uuid4().hex
         self._log_file = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def command(self) -> list[str]:
-        cmd = [self.python, "main.py", "--cpu", "--use-pytorch-cross-attention", "--disable-api-nodes",
-               "--listen", "127.0.0.1", "--port", str(self.port)]
+        cmd = [self.python, "main.py", *(["--cpu"] if self.cpu else []), "--use-pytorch-cross-attention",
+               "--disable-api-nodes", "--listen", "127.0.0.1", "--port", str(self.port)]
         if self.base_dir:
             cmd += ["--base-directory", str(self.base_dir)]
         return cmd + self.extra_args
@@ -336,6 +340,10 @@ class ComfyServer:
         finally:
             listener.stop()
         return PromptResult(prompt_id, entry, self.output_dir, listener.events)
+
+
+#: the websocket listener ``run`` uses, for callers that follow a whole session of prompts
+ProgressListener = _ProgressListener
 
 
 def load_workflow(path: str | os.PathLike) -> dict:
