@@ -1177,11 +1177,14 @@ class CompiledModule(torch.nn.Module):
         dynamic = self._nx_config.dynamic
 
         hook = self._nx_block_hook
+        # one model call's prepared inputs and marks, shared by its blocks (shapes.prepare_block_inputs)
+        memo: shapes.Memo = {}
+        marked: shapes.Memo = {}
 
         def before(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if hook is not None:
                 args, kwargs = hook(args, kwargs)
-            return shapes.prepare_block_inputs(args, kwargs, dynamic)
+            return shapes.prepare_block_inputs(args, kwargs, dynamic, memo, marked)
 
         if self._nx_settings is not None and self._nx_settings.fp8:
             # fp8 inside the compiled blocks only: in the eager glue it would run unfused
@@ -1189,8 +1192,14 @@ class CompiledModule(torch.nn.Module):
         installer = regions.Installer(self._nx_regions, fns, before)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            with installer.installed():
-                return target(*args, **kwargs)
+            memo.clear()
+            marked.clear()
+            try:
+                with installer.installed():
+                    return target(*args, **kwargs)
+            finally:
+                memo.clear()
+                marked.clear()
 
         return call
 

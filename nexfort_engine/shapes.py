@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -154,14 +155,32 @@ def varying_dims(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(n - 1))
 
 
-def mark_dynamic_dims(args: tuple, kwargs: dict) -> None:
+#: tensors already seen in one model call, by id, with a weak reference to the tensor (an id is
+#: only trusted while its tensor lives; a strong one would keep every block's activations alive
+#: until the call ends) and what was made of it (``None``: the tensor itself): a regional model
+#: hands the same tensors (Flux's RoPE table, the modulation vector, the options' tensors) to every
+#: block of its stacks
+Memo = dict[int, tuple[Any, Any]]
+
+
+def _seen(memo: Memo, v: torch.Tensor) -> tuple[Any, Any] | None:
+    hit = memo.get(id(v))
+    return hit if hit is not None and hit[0]() is v else None
+
+
+def mark_dynamic_dims(args: tuple, kwargs: dict, marked: Memo | None = None) -> None:
     """Mark the varying dims of every floating/int tensor input (also inside dicts/lists) dynamic,
     and the others (channels, features) static: a block class used at two widths (SDXL's
     transformer blocks at 640 and 1280 under regional compilation) then gets one graph per width,
-    instead of Dynamo's automatic-dynamic making the feature size symbolic on the second width."""
+    instead of Dynamo's automatic-dynamic making the feature size symbolic on the second width.
+    Tensors in ``marked`` are skipped, and those marked here are added to it."""
 
     def visit(v: Any, depth: int = 0) -> None:
         if isinstance(v, torch.Tensor):
+            if marked is not None:
+                if _seen(marked, v) is not None:
+                    return
+                marked[id(v)] = (weakref.ref(v), None)
             if not isinstance(v, torch.nn.Parameter):
                 # a view's base is traced too (its strides feed the view's): mark both
                 for t in (v, v._base) if v._base is not None else (v,):
@@ -199,7 +218,8 @@ def _block_input(v: Any, dynamic: bool) -> Any:
     return v if v.is_contiguous() else v.contiguous()
 
 
-def prepare_block_inputs(args: tuple, kwargs: dict, dynamic: bool = True) -> tuple[tuple, dict]:
+def prepare_block_inputs(args: tuple, kwargs: dict, dynamic: bool = True, memo: Memo | None = None,
+                         marked: Memo | None = None) -> tuple[tuple, dict]:
     """Inputs of a regionally compiled block (regions.py): one layout for every block, and under
     dynamic shape the varying dims marked.
 
@@ -216,12 +236,34 @@ def prepare_block_inputs(args: tuple, kwargs: dict, dynamic: bool = True) -> tup
       for Flux's first double block on the GPU, whose input is a view of the patch embedding's
       output), and the next block, given a plain tensor, failed that guard and compiled the stack
       a second time (BENCHMARKS.md, fourth session).
+
+    ``memo`` and ``marked`` (emptied by the caller at each model call) make each tensor's input
+    and its marks once per model call instead of once per block: a block's host time sits on the
+    step's critical path whenever the host waits for the GPU.
     """
-    args = tuple(_block_input(a, dynamic) for a in args)
-    kwargs = {k: _block_input(v, dynamic) for k, v in kwargs.items()}
+    if memo is None:
+        args = tuple(_block_input(a, dynamic) for a in args)
+        kwargs = {k: _block_input(v, dynamic) for k, v in kwargs.items()}
+    else:
+        args = tuple(_block_input_once(a, dynamic, memo) for a in args)
+        kwargs = {k: _block_input_once(v, dynamic, memo) for k, v in kwargs.items()}
     if dynamic:
-        mark_dynamic_dims(args, kwargs)
+        mark_dynamic_dims(args, kwargs, marked)
     return args, kwargs
+
+
+def _block_input_once(v: Any, dynamic: bool, memo: Memo) -> Any:
+    """:func:`_block_input` made once per tensor for the blocks of one model call: the copy of a
+    small view (a RoPE table) handed to every block is made once, not once per block (compiled
+    blocks work on in-graph copies of their inputs, so one block cannot change it for the next)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    hit = _seen(memo, v)
+    if hit is not None:
+        return v if hit[1] is None else hit[1]
+    out = _block_input(v, dynamic)
+    memo[id(v)] = (weakref.ref(v), None if out is v else out)
+    return out
 
 
 def to_memory_format(args: tuple, kwargs: dict, memory_format: torch.memory_format) -> tuple[tuple, dict]:
