@@ -259,8 +259,8 @@ def build_graph(spec: PromptSpec, index: int, seed: int, contender: str, checkpo
 
 # -- engine counters -------------------------------------------------------------------------------
 _DELTA_COUNTERS = ("calls", "compiles", "recompiles", "fallbacks", "cache_hits", "cache_misses",
-                   "static_first_eager_calls", "graph_breaks")
-_DELTA_SECONDS = ("compile_seconds", "compiled_call_seconds", "background_seconds")
+                   "static_first_eager_calls", "eager_calls", "graph_breaks")
+_DELTA_SECONDS = ("compile_seconds", "compiled_call_seconds", "eager_call_seconds", "background_seconds")
 
 
 def _records(stats: dict | None, node_id: str) -> tuple[list[dict], list[dict]]:
@@ -303,14 +303,18 @@ def engine_delta(before: dict | None, after: dict | None, node_id: str = COMPILE
 def uncompiled(delta: dict[str, Any]) -> tuple[str, int]:
     """(why the model ran uncompiled during a prompt, or "", and how many of its calls did).
 
-    ``static_first_eager_calls`` counts exactly the calls a static graph did not fit while the
-    background compile ran; a background compile without a static twin runs every call of its
-    time eager, which the engine does not count apart from the compiled ones: all the prompt's
-    calls are then counted (an upper bound where the compile finished during the prompt).
+    ``eager_calls`` counts exactly the calls the engine ran uncompiled, for any reason; the rest
+    reads engines without that counter: ``static_first_eager_calls`` (the calls a static graph did
+    not fit while the background compile ran), and a background compile without a static twin, whose
+    calls are then all counted (an upper bound where the compile finished during the prompt).
     """
     calls = delta["calls"]
+    eager = delta.get("eager_calls", 0)  # every call the engine ran uncompiled, exactly
     if delta["fallbacks"] or delta["state"] == "fallback":
-        return "fallback", calls
+        return "fallback", eager or calls
+    if eager:
+        why = "background compile" if "background" in (delta["state_before"], delta["state"]) else "ran uncompiled"
+        return why, eager
     if delta["static_first_eager_calls"]:
         return "background compile (no static graph for this shape)", delta["static_first_eager_calls"]
     during = "background" in (delta["state_before"], delta["state"])

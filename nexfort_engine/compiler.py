@@ -1622,7 +1622,14 @@ class CompiledModule(torch.nn.Module):
             self._nx_fp8.invalidate()
 
     def _eager(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._orig_mod, self._nx_method)(*args, **kwargs)
+        """The module itself, counted (``eager_calls``, ``eager_call_seconds``): what a prompt ran
+        uncompiled, whatever the reason."""
+        t0 = time.perf_counter()
+        try:
+            return getattr(self._orig_mod, self._nx_method)(*args, **kwargs)
+        finally:
+            counters.bump(self._nx_label, "eager_calls")
+            counters.add_seconds(self._nx_label, "eager_call", time.perf_counter() - t0)
 
 
 def default_cache_dir() -> str | None:

@@ -28,6 +28,9 @@ COUNTERS = (
     # "static_first": calls of a shape the static graph does not fit, run eager while the dynamic
     # graph compiled in the background
     "static_first_eager_calls",
+    # calls that ran the module uncompiled for any reason (a fallback, the first calls while a
+    # background compile runs, a shape the static graph does not fit): what a prompt ran uncompiled
+    "eager_calls",
     # graph breaks Dynamo reported while tracing this model (each distinct reason once): the model
     # then compiles in pieces, the code between them running eager (usually a model patch another
     # node added that Dynamo cannot trace: ``Tensor.item()`` on the sigma, random tile sizes)
@@ -45,6 +48,8 @@ class _Record:
     graph_break_reasons: list[str] = field(default_factory=list)
     compile_seconds: float = 0.0
     compiled_call_seconds: float = 0.0
+    #: host seconds in the calls counted by ``eager_calls``
+    eager_call_seconds: float = 0.0
     state: str = "pending"
     cache_key: str = ""
     config: str = ""
@@ -138,6 +143,7 @@ class _Record:
             graph_break_reasons=list(self.graph_break_reasons),
             compile_seconds=round(self.compile_seconds, 3),
             compiled_call_seconds=round(self.compiled_call_seconds, 4),
+            eager_call_seconds=round(self.eager_call_seconds, 4),
             state=self.state,
             cache_key=self.cache_key,
             config=self.config,
@@ -215,7 +221,7 @@ def add_reason(label: str, kind: str, reason: str) -> None:
 
 
 def add_seconds(label: str, what: str, seconds: float) -> None:
-    """what: 'compile', 'compiled_call' or 'background'."""
+    """what: 'compile', 'compiled_call', 'eager_call' or 'background'."""
     with _lock:
         rec = _models.setdefault(label, _Record())
         attr = f"{what}_seconds"

@@ -37,6 +37,7 @@ _ENGINE_COUNTERS: dict[str, Any] = {
     "graph_break_reasons": [],
     "cudagraph_skips": 0,
     "static_first_eager_calls": 0,
+    "eager_calls": 0,
     "compile_seconds": 0.0,
     "models": {},
 }

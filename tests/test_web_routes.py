@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from pack_modules import nodes_module
 
 ENGINE_KEYS = {"compiles", "recompiles", "recompile_reasons", "cache_hits", "cache_misses", "fallbacks",
-               "fallback_reasons", "cudagraph_skips", "static_first_eager_calls", "graph_breaks",
+               "fallback_reasons", "cudagraph_skips", "static_first_eager_calls", "eager_calls", "graph_breaks",
                "graph_break_reasons", "compile_seconds", "models"}
 
 

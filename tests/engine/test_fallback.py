@@ -66,6 +66,8 @@ def test_fullgraph_with_graph_break_falls_back_once(fresh_stats):
         torch.testing.assert_close(cm(y), mod(y), rtol=0, atol=0)
     s = fresh_stats()
     assert s["fallbacks"] == 1 and s["compiles"] == 0 and s["calls"] == 1  # no retry after the first
+    # every call ran uncompiled, the failed first one included: counted apart from compiled calls
+    assert s["eager_calls"] == 4 and s["models"][next(iter(s["models"]))]["eager_call_seconds"] > 0
 
 
 def test_graph_break_without_fullgraph_is_fine(fresh_stats):
@@ -75,6 +77,7 @@ def test_graph_break_without_fullgraph_is_fine(fresh_stats):
     torch.testing.assert_close(cm(x), mod(x))
     s = fresh_stats()
     assert s["fallbacks"] == 0 and s["compiles"] == 2  # two graphs around the break
+    assert s["eager_calls"] == 0  # compiled in pieces is still compiled
 
 
 def test_backend_that_raises_falls_back(fresh_stats, monkeypatch):
