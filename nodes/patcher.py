@@ -405,9 +405,6 @@ def conds_on_device(executor: Any, guider: Any, *args: Any, **kwargs: Any) -> An
     return executor(guider, *args, **kwargs)
 
 
-# in the sampling's transformer_options (its wrappers), never called by the model (background.CARRIED)
-setattr(conds_on_device, CARRIED, True)
-
 
 def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None = None) -> Any:
     """Clone ``model`` (a ModelPatcher) and register the nexfort APPLY_MODEL wrapper on the clone.
@@ -485,7 +482,13 @@ def compile_model_patcher(model: Any, config: CompileConfig, node_id: str | None
     # background compile's child may get it without its closure (background.CARRIED)
     setattr(nexfort_apply_model, CARRIED, True)
     m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, nexfort_apply_model)
-    m.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, conds_on_device)
+
+    def nexfort_sampler_sample(executor: Any, guider: Any, *args: Any, **kwargs: Any) -> Any:
+        return conds_on_device(executor, guider, *args, **kwargs)
+
+    # a closure, marked: a background compile's child gets it as a stand-in, never imports the pack
+    setattr(nexfort_sampler_sample, CARRIED, True)
+    m.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, nexfort_sampler_sample)
     m.model_options["nexfort_config"] = config.to_dict()
     return m
 
