@@ -63,9 +63,13 @@ SCRIPTS = REPO_ROOT / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
+if str(REPO_ROOT) not in sys.path:  # run as a script: the repo root on the path (benchmarks.*)
+    sys.path.insert(0, str(REPO_ROOT))
+
 import comfy_server  # noqa: E402
 
-NEXFORT_PRESETS = ("O1", "O2", "O3")
+from benchmarks.per_image import NEXFORT_PRESETS, split_contenders  # noqa: E402, F401 (the tests call it here)
+
 #: the compile node's id in the built graphs (``node_ids`` of its records in /nexfort/stats)
 COMPILE_NODE = "3"
 SAMPLER_NODE = "7"
@@ -179,21 +183,6 @@ def sequence(name: str, lora: bool = True) -> tuple[PromptSpec, ...]:
 
 
 # -- the graphs ------------------------------------------------------------------------------------
-def split_contenders(text: str) -> list[str]:
-    """``a,b,nexfort:{"x":1,"y":2}`` -> its names: commas inside braces belong to the JSON."""
-    names, depth, cur = [], 0, ""
-    for ch in text:
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            names.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        names.append(cur.strip())
-    return names
-
-
 def contender_slug(name: str) -> str:
     """A file-name-safe short name (``nexfort:{...}`` -> ``nexfort-<mode>-<hash>``)."""
     if name.startswith("nexfort:"):
