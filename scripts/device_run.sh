@@ -24,15 +24,10 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEVDIR="${NEXFORT_DEVICE_DIR:-.device}"
-DEVDIR="${DEVDIR%/}"
-if [ "$DEVDIR" = ".device" ]; then WORK="${NEXFORT_DEVICE_WORK:-/tmp/nexfort_device}"
-else WORK="${NEXFORT_DEVICE_WORK:-/tmp/nexfort_device_${DEVDIR#.}}"; fi
 OUT="${OUT:-$ROOT/out/device}"
 BUDGET_S="${BUDGET_S:-540}"
 MIN_LEFT_S="${MIN_LEFT_S:-45}"
 CACHE_MAX_MB="${CACHE_MAX_MB:-15}"
-PY="${PYTHON:-python3}"
 KEEP_CACHE=0
 RESTORE_CACHE=0
 START=$(date +%s)
@@ -46,6 +41,9 @@ while [ $# -gt 0 ]; do
     esac
 done
 
+# 1. ComfyUI + wheels + the pack (sets ROOT, DEVDIR, WORK, COMFY, PY, PYTHONPATH; scripts/device_env.sh)
+source "$ROOT/scripts/device_env.sh" || exit 1
+
 CALL="call-$START-$$"
 RESULTS="$WORK/results/$CALL"
 CACHE="$WORK/cache/$CALL"
@@ -53,36 +51,6 @@ mkdir -p "$OUT" "$RESULTS" "$CACHE"
 LOG="$WORK/log.txt"
 : > "$LOG"
 log() { echo "$*" | tee -a "$LOG"; }
-export PYTHONUNBUFFERED=1
-# The device image sets PYTHONDONTWRITEBYTECODE=1 and ships torch without __pycache__, so every new
-# process compiled torch's, ComfyUI's and our sources to bytecode again (1.5 s of Flux's 10.4 s warm
-# start, BENCHMARKS.md sixth session). A pip-installed torch has its .pyc files: measure like that.
-unset PYTHONDONTWRITEBYTECODE
-export PYTHONPYCACHEPREFIX="$WORK/pycache"
-
-# 1. ComfyUI + wheels + the pack
-if [ ! -f "$ROOT/$DEVDIR/comfyui.tar.gz" ]; then
-    log "missing $DEVDIR/comfyui.tar.gz: run scripts/device_bundle.sh here and carry $DEVDIR (and .whl)"; exit 1
-fi
-if [ ! -d "$WORK/ComfyUI" ]; then
-    tar -xzf "$ROOT/$DEVDIR/comfyui.tar.gz" -C "$WORK" || { log "unpacking ComfyUI failed"; exit 1; }
-fi
-COMFY="$WORK/ComfyUI"
-if [ -f "$ROOT/$DEVDIR/site.tar.xz" ]; then
-    if [ ! -f "$WORK/site/.unpacked" ]; then
-        mkdir -p "$WORK/site" && tar -xJf "$ROOT/$DEVDIR/site.tar.xz" -C "$WORK/site" && touch "$WORK/site/.unpacked" \
-            || { log "unpacking $DEVDIR/site.tar.xz failed"; exit 1; }
-    fi
-    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-elif ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
-        "$ROOT"/.whl/*.whl 2>&1 | tail -3 | tee -a "$LOG"
-    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-else
-    log "warning: no .whl/*.whl carried (ComfyUI needs torchsde, trampoline, av)"
-fi
-mkdir -p "$COMFY/custom_nodes"
-ln -sfn "$ROOT" "$COMFY/custom_nodes/nexfort"
 if [ "$RESTORE_CACHE" = 1 ] && [ -f "$ROOT/$DEVDIR/caches.tar.gz" ]; then
     tar -xzf "$ROOT/$DEVDIR/caches.tar.gz" -C "$CACHE" && log "restored caches from $DEVDIR/caches.tar.gz"
 fi
