@@ -12,8 +12,8 @@ fitted by least squares over the workers' parts (relative error; one scale per r
 differ). ``b / a`` is the kernel weight in nodes (``NEW_KERNEL_WEIGHT``).
 
     python benchmarks/fit_cut_cost.py \\
-        --nodes sdxl=benchmarks/results/2026-11-25-h100/run192_part_times/cut_nodes_sdxl.json.gz \\
-        --nodes sd21=benchmarks/results/2026-11-25-h100/run192_part_times/cut_nodes_sd21.json.gz \\
+        --nodes sdxl=benchmarks/results/2026-11-25-h100/split-part-times/cut_nodes_sdxl.json.gz \\
+        --nodes sd21=benchmarks/results/2026-11-25-h100/split-part-times/cut_nodes_sd21.json.gz \\
         benchmarks/results/2026-11-25-h100/run19[23]_*/*.json
 """
 

@@ -542,7 +542,7 @@ def test_the_cut_of_sdxls_traced_graph_is_the_measured_one():
     import gzip
     import json
 
-    with gzip.open(root / "benchmarks/results/2026-11-25-h100/run192_part_times/cut_nodes_sdxl.json.gz", "rt") as f:
+    with gzip.open(root / "benchmarks/results/2026-11-25-h100/split-part-times/cut_nodes_sdxl.json.gz", "rt") as f:
         rows = json.load(f)["nodes"]
     parts = fit.cost_cut(rows, 6, split.OWN_PART_SHARE, split.NEW_KERNEL_WEIGHT)
     feats = fit.features(rows, parts, 6)
