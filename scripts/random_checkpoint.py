@@ -98,16 +98,10 @@ def default_lora_path(checkpoint: str | os.PathLike, name: str = LORA_NAME) -> P
 def is_valid(path: str | os.PathLike) -> bool:
     """True when ``path`` is a complete checkpoint written by this module (header check only)."""
     path = Path(path)
-    if not path.is_file():
+    header = tiny_checkpoint.read_header(path) if path.is_file() else None
+    if header is None:
         return False
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys = set(f.keys())
-    except Exception:  # noqa: BLE001 - missing, truncated or foreign file: not ours
-        return False
+    meta, keys = header
     return meta.get(METADATA_KEY) == FORMAT_VERSION and all(k in keys for k in _REQUIRED_KEYS)
 
 
@@ -340,13 +334,8 @@ def verify(host: str | os.PathLike, path: str | os.PathLike, lora: str | os.Path
 
 
 def _metadata(path: str | os.PathLike) -> dict[str, str] | None:
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}
-    except Exception:  # noqa: BLE001
-        return None
+    header = tiny_checkpoint.read_header(path)
+    return None if header is None else header[0]
 
 
 def ensure_tiny(host: str | os.PathLike, output: str | os.PathLike | None = None,

@@ -77,19 +77,25 @@ def default_path(host: str | os.PathLike) -> Path:
     return Path(host) / "models" / "checkpoints" / CHECKPOINT_NAME
 
 
-def is_valid(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a complete checkpoint written by this module (header check only)."""
-    path = Path(path)
-    if not path.is_file():
-        return False
+def read_header(path: str | os.PathLike) -> tuple[dict[str, str], set[str]] | None:
+    """(metadata, tensor names) of a safetensors file, or ``None`` when it is missing, truncated or
+    not safetensors: the header check every generated model file's ``is_valid`` makes."""
     try:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys = set(f.keys())
-    except Exception:
+            return f.metadata() or {}, set(f.keys())
+    except Exception:  # noqa: BLE001 - missing, truncated or foreign file: not ours
+        return None
+
+
+def is_valid(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a complete checkpoint written by this module (header check only)."""
+    path = Path(path)
+    header = read_header(path) if path.is_file() else None
+    if header is None:
         return False
+    meta, keys = header
     return meta.get(METADATA_KEY) == FORMAT_VERSION and all(k in keys for k in _REQUIRED_KEYS)
 
 

@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from tiny_checkpoint import save_safetensors_atomic  # scripts/ is on sys.path (run or imported)
+from tiny_checkpoint import read_header, save_safetensors_atomic  # scripts/ is on sys.path (run or imported)
 
 CONTROLNET_NAME = "nexfort-tiny-sd15-controlnet.safetensors"
 FORMAT_VERSION = "1"
@@ -91,14 +91,10 @@ def build_controlnet(checkpoint: str | os.PathLike, seed: int = 9):
 
 def is_valid(path: str | os.PathLike, seed: int | None = None) -> bool:
     """True when ``path`` is a complete ControlNet written by this module (header check only)."""
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            keys = set(f.keys())
-    except Exception:  # noqa: BLE001 - missing, truncated or foreign file: not ours
+    header = read_header(path)
+    if header is None:
         return False
+    meta, keys = header
     complete = {"input_hint_block.14.weight", "zero_convs.0.0.weight", "middle_block_out.0.weight"} <= keys
     return meta.get(METADATA_KEY) == FORMAT_VERSION and complete and (seed is None or meta.get("nexfort.seed") == str(seed))
 
