@@ -1192,8 +1192,6 @@ class CompiledModule(torch.nn.Module):
         installer = regions.Installer(self._nx_regions, fns, before)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            memo.clear()
-            marked.clear()
             try:
                 with installer.installed():
                     return target(*args, **kwargs)

@@ -241,12 +241,9 @@ def prepare_block_inputs(args: tuple, kwargs: dict, dynamic: bool = True, memo: 
     and its marks once per model call instead of once per block: a block's host time sits on the
     step's critical path whenever the host waits for the GPU.
     """
-    if memo is None:
-        args = tuple(_block_input(a, dynamic) for a in args)
-        kwargs = {k: _block_input(v, dynamic) for k, v in kwargs.items()}
-    else:
-        args = tuple(_block_input_once(a, dynamic, memo) for a in args)
-        kwargs = {k: _block_input_once(v, dynamic, memo) for k, v in kwargs.items()}
+    memo = {} if memo is None else memo
+    args = tuple(_block_input_once(a, dynamic, memo) for a in args)
+    kwargs = {k: _block_input_once(v, dynamic, memo) for k, v in kwargs.items()}
     if dynamic:
         mark_dynamic_dims(args, kwargs, marked)
     return args, kwargs
