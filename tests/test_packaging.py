@@ -28,8 +28,21 @@ def _pack():
     spec = importlib.util.spec_from_file_location("nexfort_pack_under_test", REPO / "__init__.py",
                                                   submodule_search_locations=[str(REPO)])
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    # outside ComfyUI even when another test of this process imported it: `import comfy_api.latest`
+    # then fails, as it does without a host (a None entry in sys.modules makes an import raise)
+    saved = sys.modules.get("comfy_api.latest", _MISSING)
+    sys.modules["comfy_api.latest"] = None  # type: ignore[assignment]
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if saved is _MISSING:
+            del sys.modules["comfy_api.latest"]
+        else:
+            sys.modules["comfy_api.latest"] = saved
     return mod
+
+
+_MISSING = object()
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:
